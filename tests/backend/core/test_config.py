@@ -1,0 +1,47 @@
+"""Settings: env prefix, URL normalisation, refusal of default secrets outside development."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from backend.core.config import DEV_SECRET, Environment, Settings, normalize_database_url
+
+
+def test_env_prefix_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCHAT_PORT", "9123")
+    monkeypatch.setenv("KVCHAT_HOST", "0.0.0.0")
+    settings = Settings()
+    assert (settings.host, settings.port) == ("0.0.0.0", 9123)
+
+
+def test_default_database_is_sqlite_under_data_dir(tmp_path: Path) -> None:
+    url = Settings(data_dir=tmp_path).resolved_database_url
+    assert url == f"sqlite+aiosqlite:///{(tmp_path / 'kvchat.db').resolve()}"
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("postgres://u:p@h:5432/db", "postgresql+asyncpg://u:p@h:5432/db"),
+        ("postgresql://u@h/db", "postgresql+asyncpg://u@h/db"),
+        ("postgresql+asyncpg://u@h/db", "postgresql+asyncpg://u@h/db"),
+        ("sqlite:////tmp/x.db", "sqlite+aiosqlite:////tmp/x.db"),
+    ],
+)
+def test_database_url_normalisation(given: str, expected: str) -> None:
+    assert normalize_database_url(given) == expected
+
+
+def test_production_refuses_default_secret() -> None:
+    with pytest.raises(ValidationError, match="KVCHAT_SECRET_KEY must be set"):
+        Settings(env=Environment.PRODUCTION)
+    assert Settings(env=Environment.PRODUCTION, secret_key="s3cret").secret_key == "s3cret"
+    assert Settings(env=Environment.DEVELOPMENT).secret_key == DEV_SECRET
+
+
+def test_bad_port_is_rejected() -> None:
+    with pytest.raises(ValidationError):
+        Settings(port=70000)

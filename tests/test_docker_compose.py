@@ -1,0 +1,57 @@
+"""docker-compose.yml and the Dockerfile cannot be run here (no Docker engine): check their structure instead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return data
+
+
+def test_services_are_postgres_and_app() -> None:
+    services = _compose()["services"]
+    assert set(services) == {"db", "app"}
+    assert services["db"]["image"].startswith("postgres:")
+    assert services["app"]["build"] == "."
+    assert (ROOT / "Dockerfile").is_file()
+
+
+def test_app_waits_for_healthy_db_and_migrates_first() -> None:
+    services = _compose()["services"]
+    assert services["app"]["depends_on"] == {"db": {"condition": "service_healthy"}}
+    command = " ".join(services["app"]["command"])
+    assert command.index("kvchat migrate") < command.index("kvchat serve")
+    assert "pg_isready" in " ".join(services["db"]["healthcheck"]["test"])
+    assert "/livez" in " ".join(services["app"]["healthcheck"]["test"])
+
+
+def test_app_env_points_at_the_db_service_and_sets_a_secret() -> None:
+    env = _compose()["services"]["app"]["environment"]
+    db_env = _compose()["services"]["db"]["environment"]
+    url = env["KVCHAT_DATABASE_URL"]
+    assert url.startswith("postgresql+asyncpg://")
+    assert f"{db_env['POSTGRES_USER']}:{db_env['POSTGRES_PASSWORD']}@db:5432/{db_env['POSTGRES_DB']}" in url
+    assert env["KVCHAT_ENV"] == "production"
+    assert "KVCHAT_SECRET_KEY" in env
+    assert env["KVCHAT_PORT"] == "8000"
+
+
+def test_ports_and_volumes() -> None:
+    compose = _compose()
+    assert compose["services"]["app"]["ports"] == ["8000:8000"]
+    assert set(compose["volumes"]) == {"pgdata", "appdata"}
+
+
+def test_dockerfile_pins_torch_and_copies_what_the_app_needs() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "torch==2.13.0" in text
+    copied = {word for line in text.splitlines() if line.startswith("COPY ") for word in line.split()[1:-1]}
+    assert {"engine", "backend", "migrations", "frontend_stub", "alembic.ini", "pyproject.toml"} <= copied
+    assert "HEALTHCHECK" in text
