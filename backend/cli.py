@@ -32,6 +32,12 @@ def _migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from engine.cli import generate_command
+
+    return generate_command(args)
+
+
 def _redact(url: str) -> str:
     from sqlalchemy.engine import make_url
 
@@ -48,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     mig = sub.add_parser("migrate", help="upgrade the database schema (Alembic)")
     mig.add_argument("revision", nargs="?", default="head")
     mig.set_defaults(func=_migrate)
+    from engine.cli import add_generate_arguments
+
+    gen = sub.add_parser("generate", help="stream one completion from the engine to the terminal")
+    add_generate_arguments(gen)
+    gen.set_defaults(func=_generate)
     return parser
 
 
@@ -58,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.func(args)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        from engine.errors import EngineError
+
+        if not isinstance(exc, EngineError):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return code
 
 

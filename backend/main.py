@@ -15,6 +15,7 @@ from backend.core.config import Settings
 from backend.core.state import AppState
 from backend.db import migrate
 from backend.db.engine import create_db_engine, create_sessionmaker
+from backend.services.tenants import BootstrapResult, bootstrap_default_tenant
 
 log = logging.getLogger("kvchat")
 
@@ -29,7 +30,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # NOTE: Alembic's env.py runs its own event loop, so it must not run on this one.
             await asyncio.to_thread(migrate.upgrade, url)
         db_engine = create_db_engine(url)
-        app.state.kvchat = AppState(settings=settings, db_engine=db_engine, sessionmaker=create_sessionmaker(db_engine))
+        sessionmaker = create_sessionmaker(db_engine)
+        boot = await bootstrap_default_tenant(sessionmaker, settings.bootstrap_chat_token, settings.bootstrap_admin_key)
+        _announce_keys(boot)
+        app.state.kvchat = AppState(settings=settings, db_engine=db_engine, sessionmaker=sessionmaker)
         base = f"http://{settings.host}:{settings.port}"
         log.info("kvchat ready: API docs %s/docs, health %s/livez", base, base)
         try:
@@ -45,3 +49,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return RedirectResponse("/docs")
 
     return app
+
+
+def _announce_keys(boot: BootstrapResult) -> None:
+    if boot.created:
+        log.info("created the default tenant %s", boot.tenant_id)
+    if boot.generated_chat_token:
+        # NOTE: printed once, on the first start; only a hash is stored. Set KVCHAT_BOOTSTRAP_* to choose them.
+        print(f"kvchat: default tenant chat token (also an OpenAI API key): {boot.generated_chat_token}", flush=True)
+    if boot.generated_admin_key:
+        print(f"kvchat: default tenant admin API key: {boot.generated_admin_key}", flush=True)

@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     secret_key: str = DEV_SECRET
     log_level: str = "info"
     run_migrations_on_start: bool = True
+    # First start: the default tenant's keys. Unset → generated and printed once.
+    bootstrap_chat_token: str | None = None
+    bootstrap_admin_key: str | None = None
 
     @model_validator(mode="after")
     def _refuse_default_secrets(self) -> Self:
