@@ -1,0 +1,41 @@
+"""Engine configuration: one validated, immutable object.
+
+Derived values (the number of KV blocks that fit the memory budget, the resolved device and dtype) are not written
+back here; they live in ``engine.llm_engine.EngineInfo`` (see STYLE.md, habit 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "smollm2"  # "smollm2" (the packaged default), a safetensors folder, or a .gguf file
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+    dtype: str = "auto"  # "auto" (bf16 where the CPU supports it, else fp32), "float32", "bfloat16", "float16"
+    block_size: int = 16
+    max_kv_memory_mb: int = 512
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    max_waiting: int = 256
+    max_model_len: int | None = None  # defaults to the model's context length
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
+    cache_dir: str | None = None  # where converted models are kept; default ~/.cache/kvchat
+
+    def __post_init__(self) -> None:
+        checks = {
+            "block_size": self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
+            "max_kv_memory_mb": self.max_kv_memory_mb >= 1,
+            "max_num_seqs": self.max_num_seqs >= 1,
+            "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
+            "max_waiting": self.max_waiting >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise InvalidRequestError(f"invalid engine config: {name}={getattr(self, name)!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise InvalidRequestError(f"invalid engine config: dtype={self.dtype!r}")

@@ -1,0 +1,168 @@
+"""The preallocated pool of KV blocks: reference counts, the LRU free queue and the ``hash -> block`` map.
+
+Pure bookkeeping over integers; the tensors that hold the K/V values live in the model runner, indexed by block id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from engine.kv.block_hash import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """Metadata of one physical block. ``block_hash``/``token_ids`` are set once, when the block is published."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None
+    # Links of the free queue; both are None exactly when the block is not in the queue.
+    prev_free: KVBlock | None = None
+    next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = "cached" if self.block_hash is not None else "uncached"
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, {cached})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks in eviction order (head = evicted first).
+
+    NOTE: a linked list rather than a deque because a prefix hit must pull a freed-but-cached block out of the middle
+    of the queue ("revive" it) in O(1).
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next_free
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next_free
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block.prev_free is not None
+
+    def append(self, block: KVBlock) -> None:
+        if block.prev_free is not None:
+            raise ValueError(f"{block} is already in the free queue")
+        last = self._tail.prev_free
+        assert last is not None  # sentinel invariant
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self._len += 1
+
+    def popleft(self) -> KVBlock:
+        first = self._head.next_free
+        if first is None or first is self._tail:
+            raise IndexError("the free queue is empty")
+        self.remove(first)
+        return first
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+
+class BlockPool:
+    """Blocks ``0..num_blocks-1``. A block is either free (ref 0, in the queue) or used (ref > 0, not in the queue).
+
+    A freed block keeps its hash, so a later request can revive it; the mapping is dropped only when the block is
+    handed out again for new content.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Free blocks that still hold a published prefix (a hit would revive them)."""
+        return sum(1 for block in self.cached.values() if block.ref_cnt == 0)
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in eviction order (for tests and debugging)."""
+        return [block.block_id for block in self.free_queue]
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks from the head of the free queue (ref 1 each), evicting their old hash."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks but only {self.num_free_blocks} are free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on each block, reviving it from the free queue when it was free."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block, in the given order; a block whose count reaches 0 joins the queue."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
+        """Publish a full block under ``block_hash``. Returns False (and leaves the block unpublished) when another
+        block already holds that hash: the first copy stays the canonical one, the map never points at two blocks."""
+        if block.block_hash is not None:
+            raise ValueError(f"{block} is already published")
+        if block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached[block_hash] = block
+        return True
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None

@@ -1,0 +1,180 @@
+"""Per-request KV block tables over one ``BlockPool``, with exact prefix caching.
+
+Protocol for one request (the scheduler drives it)::
+
+    match = kv.match_prefix(root, token_ids)                    # pure
+    ok = kv.allocate_slots(rid, total_tokens_after_step, match)  # check, then commit; False changes nothing
+    ... the model runner fills the slots ...
+    kv.cache_full_blocks(rid, root, token_ids, num_computed)     # publish the blocks the step filled
+    kv.free(rid)                                                 # when the request finishes or is preempted
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.kv.block_hash import BlockHash, hash_block
+from engine.kv.block_pool import BlockPool, KVBlock
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """The longest cached prefix of a prompt: physical block ids, their chain hashes and the tokens they cover."""
+
+    blocks: tuple[int, ...] = ()
+    block_hashes: tuple[BlockHash, ...] = ()
+    num_cached_tokens: int = 0
+    num_query_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheUsage:
+    num_blocks: int
+    num_free_blocks: int  # in the free queue (includes evictable ones)
+    num_used_blocks: int  # ref > 0
+    num_cached_blocks: int  # blocks that carry a published hash (used or free)
+    num_evictable_blocks: int  # free blocks that carry a hash
+    num_query_tokens: int  # prompt tokens looked up at admission
+    num_hit_tokens: int  # of those, found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    blocks: list[KVBlock] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)  # chain hashes of blocks[: len(hashes)]
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._num_query_tokens = 0
+        self._num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, root: BlockHash, token_ids: Sequence[int]) -> MatchResult:
+        """Longest run of cached full blocks at the start of ``token_ids``. No side effects."""
+        if not self.enable_prefix_caching:
+            return MatchResult(num_query_tokens=len(token_ids))
+        # NOTE: at most (len-1)//block_size blocks: the last prompt token is always recomputed because the model needs
+        # its logits to sample the next token, and a cached block carries K/V only, never logits.
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        ids: list[int] = []
+        hashes: list[BlockHash] = []
+        parent = root
+        for i in range(max_blocks):
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent = hash_block(parent, tokens)
+            block = self.pool.get_cached_block(parent)
+            # NOTE: compare the tokens too: a hash match with different tokens is a miss, so reuse stays exact.
+            if block is None or block.token_ids != tokens:
+                break
+            ids.append(block.block_id)
+            hashes.append(parent)
+        return MatchResult(tuple(ids), tuple(hashes), len(ids) * self.block_size, len(token_ids))
+
+    def can_allocate(self, request_id: str, num_total_tokens: int, match: MatchResult | None = None) -> bool:
+        """Whether ``allocate_slots`` with the same arguments would succeed. No side effects."""
+        return self._num_new_blocks(request_id, num_total_tokens, match) <= self._free_after_touch(match)
+
+    def allocate_slots(self, request_id: str, num_total_tokens: int, match: MatchResult | None = None) -> bool:
+        """Make the request's block table cover ``num_total_tokens`` tokens.
+
+        ``match`` is only for a request's first allocation: its blocks are shared (ref + 1, revived from the free queue
+        when they were free). Returns False and changes nothing when the pool is short of blocks.
+        """
+        num_new = self._num_new_blocks(request_id, num_total_tokens, match)
+        if num_new > self._free_after_touch(match):
+            return False
+        state = self._requests.setdefault(request_id, _RequestBlocks())
+        if match is not None:
+            hit_blocks = [self.pool.blocks[i] for i in match.blocks]
+            if any(b.block_hash != h for b, h in zip(hit_blocks, match.block_hashes, strict=True)):
+                raise ValueError("stale MatchResult: a matched block was reused; match and allocate in the same step")
+            self.pool.touch(hit_blocks)
+            state.blocks.extend(hit_blocks)
+            state.hashes.extend(match.block_hashes)
+            self._num_query_tokens += match.num_query_tokens
+            self._num_hit_tokens += match.num_cached_tokens
+        if num_new > 0:
+            state.blocks.extend(self.pool.get_new_blocks(num_new))
+        return True
+
+    def cache_full_blocks(
+        self, request_id: str, root: BlockHash, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Hash and publish every block of the request that ``num_computed_tokens`` has filled since the last call."""
+        state = self._requests.get(request_id)
+        if state is None or not self.enable_prefix_caching:
+            return
+        if num_computed_tokens > len(token_ids):
+            raise ValueError(f"num_computed_tokens={num_computed_tokens} > {len(token_ids)} tokens")
+        num_full = min(num_computed_tokens // self.block_size, len(state.blocks))
+        bs = self.block_size
+        for i in range(len(state.hashes), num_full):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            block_hash = hash_block(state.hashes[-1] if state.hashes else root, tokens)
+            state.hashes.append(block_hash)
+            # NOTE: when another block already holds this hash (two requests prefilled the same prefix at once) the
+            # existing mapping wins and this block simply stays unpublished; it is freed like any other block.
+            self.pool.cache_block(state.blocks[i], block_hash, tokens)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks. Unknown ids are ignored (a waiting request holds no blocks)."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        # NOTE: reverse order: the chain's tail reaches the free queue first and is therefore evicted first. Evicting a
+        # head block would strand its descendants (matching walks the chain from the root), and heads are the blocks
+        # most likely shared by the next request (system prompt, earlier turns).
+        self.pool.free_blocks(reversed(state.blocks))
+
+    def block_table(self, request_id: str) -> list[int]:
+        """Physical block ids of the request in logical order (empty for an unknown request)."""
+        state = self._requests.get(request_id)
+        return [] if state is None else [block.block_id for block in state.blocks]
+
+    def usage(self) -> KVCacheUsage:
+        pool = self.pool
+        return KVCacheUsage(
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_used_blocks=pool.num_blocks - pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            num_evictable_blocks=pool.num_evictable_blocks,
+            num_query_tokens=self._num_query_tokens,
+            num_hit_tokens=self._num_hit_tokens,
+        )
+
+    def _num_new_blocks(self, request_id: str, num_total_tokens: int, match: MatchResult | None) -> int:
+        state = self._requests.get(request_id)
+        if match is not None and state is not None:
+            raise ValueError(f"request {request_id!r} already holds blocks; a prefix match is only for its first step")
+        have = len(state.blocks) if state is not None else len(match.blocks) if match is not None else 0
+        return max(0, self.blocks_needed(num_total_tokens) - have)
+
+    def _free_after_touch(self, match: MatchResult | None) -> int:
+        """Free blocks left once the match's free (ref 0) blocks are revived out of the free queue."""
+        if match is None:
+            return self.pool.num_free_blocks
+        revived = sum(1 for i in match.blocks if self.pool.blocks[i].ref_cnt == 0)
+        return self.pool.num_free_blocks - revived

@@ -1,0 +1,242 @@
+"""Continuous batching with chunked prefill, admission control and preemption by recompute.
+
+One ``schedule()`` call plans one model step:
+
+1. running sequences that decode (one token each), oldest admission first;
+2. running sequences still prefilling (a chunk each), within the step's token budget;
+3. waiting sequences, first come first served, while the budget, ``max_num_seqs`` and the pool allow.
+
+When the pool runs out for a running sequence, the most recently admitted running sequence is preempted: its blocks
+are freed and it goes back to the front of the waiting queue, to be recomputed later (its published blocks usually
+make that a prefix hit).
+
+Assumption: the engine rejects a request whose prompt + max_tokens does not fit the whole pool before ``add``. A
+sequence that still cannot fit while it is alone in the pool is not retried forever: it is finished as aborted and
+reported in ``SchedulerOutput.rejected`` (the engine fails it with ``PromptTooLongError``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.errors import EngineBusy, InvalidRequestError
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    max_waiting: int = 256
+    block_size: int = 16
+    # NOTE: a constant retry hint: the queue drains at a rate that depends on prompt and output lengths the caller
+    # cannot see, and a constant is honest and predictable; clients add their own jitter.
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_num_seqs": self.max_num_seqs >= 1,
+            "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
+            "max_waiting": self.max_waiting >= 0,
+            "block_size": self.block_size >= 1,
+            "retry_after_s": self.retry_after_s >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise InvalidRequestError(f"invalid scheduler config: {name}={getattr(self, name)!r}")
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
+        return cls(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting, config.block_size)
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start_pos: int  # tokens of the sequence already in the pool
+    num_new_tokens: int  # tokens computed this step: positions start_pos .. start_pos + num_new_tokens - 1
+    block_table: list[int]  # covers start_pos + num_new_tokens tokens
+    need_logits: bool  # the chunk reaches the sequence's last token, so the engine samples from its logits
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.all_token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)  # could never fit the pool; finished as aborted
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one ``schedule()`` call has decided so far."""
+
+    budget: int
+    scheduled: dict[str, ScheduledSeq] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        if config.block_size != kv.block_size:
+            raise ValueError(f"scheduler block_size {config.block_size} != KV cache block_size {kv.block_size}")
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self._seqs: dict[str, Sequence] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Raises ``EngineBusy`` when the waiting queue is full."""
+        if seq.request_id in self._seqs:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        if seq.status is not SequenceStatus.WAITING:
+            raise ValueError(f"only a waiting sequence can be added, got {seq!r}")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise EngineBusy(f"{len(self.waiting)} requests are already waiting", self.config.retry_after_s)
+        self.waiting.append(seq)
+        self._seqs[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Abort a waiting or running sequence and free its blocks. Returns None for an unknown (or finished) id."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seq
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Remove a sequence from the scheduler with a finished ``status`` and release its blocks."""
+        if not status.is_finished:
+            raise ValueError(f"finish() needs a finished status, got {status}")
+        if self._seqs.pop(seq.request_id, None) is None:
+            raise ValueError(f"{seq!r} is not scheduled here")
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.status = status
+
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step, decodes=True)
+        self._schedule_running(step, decodes=False)
+        # NOTE: no admission in a step that preempted: the pool is already short, a new sequence would only be
+        # preempted in turn (the same rule as vLLM).
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs and not step.preempted:
+            if not self._admit(self.waiting[0], step):
+                break
+        return SchedulerOutput(list(step.scheduled.values()), step.preempted, step.rejected)
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """Record that the model computed every scheduled chunk, and publish the blocks it filled.
+
+        Call it before appending the sampled tokens. Sequences finished in between (aborted) are skipped.
+        """
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            end = item.start_pos + item.num_new_tokens
+            seq.num_computed_tokens = end
+            seq.num_prefilled_tokens += max(0, min(end, seq.num_prompt_tokens) - item.start_pos)
+            self.kv.cache_full_blocks(seq.request_id, seq.root, seq.all_token_ids, end)
+
+    postprocess = update_after_step
+
+    def _schedule_running(self, step: _Step, decodes: bool) -> None:
+        for seq in list(self.running):
+            if step.budget <= 0:
+                return
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled or remaining <= 0:
+                continue  # preempted earlier in this loop, already planned, or waiting for its sampled token
+            if (remaining == 1) != decodes:
+                continue
+            num_new = min(remaining, step.budget)
+            if self._reserve(seq, num_new, step):
+                self._plan(seq, num_new, step)
+
+    def _reserve(self, seq: Sequence, num_new: int, step: _Step) -> bool:
+        """Allocate slots for ``seq``, preempting the newest running sequences as needed. False if ``seq`` lost."""
+        while not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens + num_new):
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                self._reject(seq, step)
+                return False
+            self._preempt(victim, step)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, seq: Sequence, step: _Step) -> bool:
+        match = self.kv.match_prefix(seq.root, seq.all_token_ids)
+        num_new = min(seq.num_tokens - match.num_cached_tokens, step.budget)
+        if not self.kv.allocate_slots(seq.request_id, match.num_cached_tokens + num_new, match):
+            if self.running:
+                return False  # FCFS: the head waits for blocks; nobody overtakes it
+            self._reject(seq, step)
+            return True
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = match.num_cached_tokens
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+            seq.num_cached_tokens = match.num_cached_tokens
+        self.running.append(seq)
+        self._plan(seq, num_new, step)
+        return True
+
+    def _plan(self, seq: Sequence, num_new: int, step: _Step) -> None:
+        start = seq.num_computed_tokens
+        table = self.kv.block_table(seq.request_id)
+        step.scheduled[seq.request_id] = ScheduledSeq(seq, start, num_new, table, start + num_new == seq.num_tokens)
+        step.budget -= num_new
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        planned = step.scheduled.pop(seq.request_id, None)
+        if planned is not None:  # NOTE: it was planned earlier in this step; give its tokens back to the budget
+            step.budget += planned.num_new_tokens
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        step.preempted.append(seq)
+
+    def _reject(self, seq: Sequence, step: _Step) -> None:
+        # NOTE: reaching here means the engine's prompt-length validation let through a sequence larger than the
+        # whole pool; finishing it keeps the loop from retrying it forever.
+        self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        step.rejected.append(seq)

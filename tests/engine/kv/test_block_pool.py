@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import pytest
+
+from engine.kv.block_hash import BlockHash, hash_block, root_hash
+from engine.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
+
+ROOT = root_hash("m", "ns")
+
+
+def h(i: int) -> BlockHash:
+    return hash_block(ROOT, [i])
+
+
+def test_new_pool_is_all_free_in_id_order() -> None:
+    pool = BlockPool(4)
+    assert pool.free_block_ids() == [0, 1, 2, 3]
+    assert pool.num_free_blocks == 4
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def test_pool_rejects_empty() -> None:
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(0)
+
+
+def test_get_new_blocks_pops_head_with_ref_one() -> None:
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(3)
+    assert [b.block_id for b in blocks] == [0, 1, 2]
+    assert [b.ref_cnt for b in pool.blocks] == [1, 1, 1, 0, 0]
+    assert pool.free_block_ids() == [3, 4]
+
+
+def test_get_too_many_blocks_raises_and_changes_nothing() -> None:
+    pool = BlockPool(2)
+    with pytest.raises(ValueError, match="only 2 are free"):
+        pool.get_new_blocks(3)
+    assert pool.free_block_ids() == [0, 1]
+
+
+def test_free_appends_in_given_order() -> None:
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(3)
+    pool.free_blocks([blocks[2], blocks[0], blocks[1]])
+    assert pool.free_block_ids() == [3, 4, 2, 0, 1]
+
+
+def test_shared_block_joins_queue_only_at_last_reference() -> None:
+    pool = BlockPool(3)
+    (b,) = pool.get_new_blocks(1)
+    pool.touch([b])
+    assert b.ref_cnt == 2
+    pool.free_blocks([b])
+    assert b.ref_cnt == 1
+    assert pool.free_block_ids() == [1, 2]
+    pool.free_blocks([b])
+    assert pool.free_block_ids() == [1, 2, 0]
+
+
+def test_double_free_raises() -> None:
+    pool = BlockPool(2)
+    (b,) = pool.get_new_blocks(1)
+    pool.free_blocks([b])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free_blocks([b])
+
+
+def test_touch_revives_a_free_block_from_the_middle() -> None:
+    pool = BlockPool(5)
+    pool.touch([pool.blocks[2]])
+    assert pool.blocks[2].ref_cnt == 1
+    assert pool.free_block_ids() == [0, 1, 3, 4]
+    pool.free_blocks([pool.blocks[2]])
+    assert pool.free_block_ids() == [0, 1, 3, 4, 2]
+
+
+def test_cache_block_publishes_and_keeps_hash_after_free() -> None:
+    pool = BlockPool(3)
+    (b,) = pool.get_new_blocks(1)
+    assert pool.cache_block(b, h(1), (1,))
+    pool.free_blocks([b])
+    assert pool.get_cached_block(h(1)) is b
+    assert b.block_hash == h(1)
+    assert b.token_ids == (1,)
+    assert pool.num_cached_blocks == 1
+    assert pool.num_evictable_blocks == 1
+
+
+def test_reuse_evicts_the_old_hash() -> None:
+    pool = BlockPool(2)
+    (b0,) = pool.get_new_blocks(1)
+    pool.cache_block(b0, h(1), (1,))
+    pool.free_blocks([b0])
+    assert pool.free_block_ids() == [1, 0]
+    got = pool.get_new_blocks(2)
+    assert [b.block_id for b in got] == [1, 0]
+    assert pool.get_cached_block(h(1)) is None
+    assert b0.block_hash is None
+    assert b0.token_ids is None
+    assert pool.num_cached_blocks == 0
+
+
+def test_duplicate_hash_keeps_first_mapping() -> None:
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)
+    assert pool.cache_block(a, h(1), (1,))
+    assert not pool.cache_block(b, h(1), (1,))
+    assert pool.get_cached_block(h(1)) is a
+    assert b.block_hash is None
+    # Freeing and reusing the unpublished duplicate never touches the canonical mapping.
+    pool.free_blocks([b])
+    pool.get_new_blocks(2)
+    assert pool.get_cached_block(h(1)) is a
+
+
+def test_cache_block_twice_raises() -> None:
+    pool = BlockPool(1)
+    (b,) = pool.get_new_blocks(1)
+    pool.cache_block(b, h(1), (1,))
+    with pytest.raises(ValueError, match="already published"):
+        pool.cache_block(b, h(2), (2,))
+
+
+def test_free_queue_operations() -> None:
+    blocks = [KVBlock(i) for i in range(4)]
+    q = FreeBlockQueue(blocks)
+    assert [b.block_id for b in q] == [0, 1, 2, 3]
+    assert len(q) == 4
+    q.remove(blocks[0])
+    q.remove(blocks[3])
+    q.remove(blocks[1])
+    assert [b.block_id for b in q] == [2]
+    assert blocks[1] not in q
+    assert blocks[2] in q
+    q.append(blocks[3])
+    q.append(blocks[0])
+    assert [b.block_id for b in q] == [2, 3, 0]
+    assert q.popleft() is blocks[2]
+    assert len(q) == 2
+    with pytest.raises(ValueError, match="already in the free queue"):
+        q.append(blocks[3])
+    with pytest.raises(ValueError, match="not in the free queue"):
+        q.remove(blocks[2])
+    q.popleft()
+    q.popleft()
+    assert len(q) == 0
+    assert list(q) == []
+    with pytest.raises(IndexError):
+        q.popleft()

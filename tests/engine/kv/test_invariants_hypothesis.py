@@ -1,0 +1,131 @@
+"""Stateful property test: random admit / extend / free sequences never break the pool's invariants."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.kv.block_hash import BlockHash, hash_chain, root_hash
+from engine.kv.kv_cache_manager import KVCacheManager
+
+BS = 4
+NUM_BLOCKS = 12
+ROOTS = (root_hash("m", "a"), root_hash("m", "b"))
+# A few shared "system prompts" so random requests often hit each other's blocks.
+BASES = ([1] * 12, [1] * 8 + [2] * 8, [3, 4, 5, 6] * 3)
+
+
+@dataclass
+class _Req:
+    root: BlockHash
+    tokens: list[int]
+
+
+class KVMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BS)
+        self.reqs: dict[str, _Req] = {}
+        self.next_id = 0
+
+    def _compute(self, rid: str) -> None:
+        req = self.reqs[rid]
+        self.kv.cache_full_blocks(rid, req.root, req.tokens, len(req.tokens))
+
+    @rule(
+        base=st.sampled_from(BASES),
+        cut=st.integers(0, 12),
+        tail=st.lists(st.integers(0, 3), max_size=6),
+        ns=st.sampled_from(ROOTS),
+    )
+    def admit(self, base: list[int], cut: int, tail: list[int], ns: BlockHash) -> None:
+        tokens = base[:cut] + tail
+        if not tokens:
+            return
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        match = self.kv.match_prefix(ns, tokens)
+        assert match.num_cached_tokens <= len(tokens) - 1
+        assert list(match.block_hashes) == hash_chain(ns, tokens, BS)[: len(match.blocks)]
+        before = (self.kv.pool.free_block_ids(), [b.ref_cnt for b in self.kv.pool.blocks])
+        ok = self.kv.can_allocate(rid, len(tokens), match)
+        assert self.kv.allocate_slots(rid, len(tokens), match) == ok
+        if not ok:
+            assert (self.kv.pool.free_block_ids(), [b.ref_cnt for b in self.kv.pool.blocks]) == before
+            return
+        assert self.kv.block_table(rid)[: len(match.blocks)] == list(match.blocks)
+        self.reqs[rid] = _Req(ns, tokens)
+        self._compute(rid)
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(pick=st.integers(0, 1000), extra=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def extend(self, pick: int, extra: list[int]) -> None:
+        rid = sorted(self.reqs)[pick % len(self.reqs)]
+        req = self.reqs[rid]
+        if self.kv.allocate_slots(rid, len(req.tokens) + len(extra)):
+            req.tokens.extend(extra)
+            self._compute(rid)
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(pick=st.integers(0, 1000))
+    def free(self, pick: int) -> None:
+        rid = sorted(self.reqs)[pick % len(self.reqs)]
+        del self.reqs[rid]
+        self.kv.free(rid)
+        assert self.kv.block_table(rid) == []
+
+    @invariant()
+    def free_queue_and_refs_agree(self) -> None:
+        pool = self.kv.pool
+        queued = [b.block_id for b in pool.free_queue]
+        assert len(queued) == len(set(queued)) == pool.num_free_blocks
+        for block in pool.blocks:
+            in_queue = block in pool.free_queue
+            assert (in_queue and block.ref_cnt == 0) or (block.ref_cnt > 0 and not in_queue)
+        usage = self.kv.usage()
+        assert usage.num_free_blocks + usage.num_used_blocks == NUM_BLOCKS
+
+    @invariant()
+    def hash_map_points_at_its_blocks(self) -> None:
+        pool = self.kv.pool
+        for block_hash, block in pool.cached.items():
+            assert block.block_hash == block_hash
+            assert block.token_ids is not None
+            assert len(block.token_ids) == BS
+        assert len(pool.cached) == sum(1 for b in pool.blocks if b.block_hash is not None)
+
+    @invariant()
+    def shared_blocks_are_cached_and_counted(self) -> None:
+        holders: Counter[int] = Counter()
+        for rid, req in self.reqs.items():
+            table = self.kv.block_table(rid)
+            assert len(table) == len(set(table)) == -(-len(req.tokens) // BS)
+            holders.update(table)
+        for block in self.kv.pool.blocks:
+            assert block.ref_cnt == holders[block.block_id]
+            if holders[block.block_id] > 1:
+                assert block.block_hash is not None
+
+    @invariant()
+    def published_blocks_hold_exactly_their_tokens(self) -> None:
+        for rid, req in self.reqs.items():
+            chain = hash_chain(req.root, req.tokens, BS)
+            for i, block_id in enumerate(self.kv.block_table(rid)):
+                block = self.kv.pool.blocks[block_id]
+                if block.block_hash is not None:
+                    assert block.block_hash == chain[i]
+                    assert block.token_ids == tuple(req.tokens[i * BS : (i + 1) * BS])
+
+
+KVMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=30,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestKVInvariants = KVMachine.TestCase
