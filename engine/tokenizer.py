@@ -1,0 +1,194 @@
+"""The HF tokenizer, the chat template, and streaming detokenization with stop strings.
+
+``Tokenizer`` wraps ``transformers.AutoTokenizer`` and reads the EOS ids (tokenizer + ``generation_config.json``).
+``IncrementalDetokenizer`` turns a stream of token ids into a stream of stable text deltas:
+
+* a multi-byte UTF-8 character split across tokens is held back until it is complete (no U+FFFD mid-stream);
+* leading-space handling (SentencePiece ``▁``, byte-level ``Ġ``) is right because each delta is the difference of
+  two decodes of a short sliding window that starts a few tokens back (the vLLM ``detokenize_incrementally`` scheme);
+* text that could be the start of a stop string is held back; when a stop string completes, ``stopped`` becomes
+  True and the delta ends right before it.
+
+Invariant: the deltas of ``push`` followed by ``flush()`` concatenate to ``Tokenizer.decode(output_ids)`` cut right
+before the first stop string to complete (when no prompt context is given; with context, they concatenate to
+``decode(prompt + output)[len(decode(prompt)):]`` instead, which keeps the first output token's leading space).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.errors import InvalidRequestError
+
+ROLES = ("system", "user", "assistant")
+
+# NOTE: used only when the tokenizer ships no chat template. Plain ChatML (what SmolLM2/Qwen use):
+#   <|im_start|>{role}\n{content}<|im_end|>\n ... and, for a generation prompt, <|im_start|>assistant\n
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# NOTE: how many prompt tokens the detokenizer decodes as left context (vLLM uses the same number): enough for
+# SentencePiece to see that the first output token is not at the start of the text.
+_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A loaded tokenizer: ``encode``, ``decode``, ``apply_chat_template``, ``eos_token_ids``, ``vocab_size``."""
+
+    def __init__(self, folder: str | os.PathLike[str], gguf_file: str | None = None) -> None:
+        kwargs: dict[str, Any] = {} if gguf_file is None else {"gguf_file": gguf_file}
+        self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(folder, **kwargs)
+        self.eos_token_ids: tuple[int, ...] = _eos_token_ids(self.hf, Path(folder))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added/special tokens included (the model's head may be larger)."""
+        return len(self.hf)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        # NOTE: no clean-up of tokenization spaces: the streamed text cannot undo a space it already sent, so the
+        # full decode must not remove it either.
+        text = self.hf.decode(
+            list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+        assert isinstance(text, str)  # a flat id list always decodes to one string
+        return text
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Render the conversation with the tokenizer's chat template (ChatML when it has none) and tokenize it."""
+        _check_messages(messages)
+        template = None if self.hf.chat_template else FALLBACK_CHAT_TEMPLATE
+        text = self.hf.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        assert isinstance(text, str)  # tokenize=False on a single conversation returns the rendered string
+        # NOTE: the template already wrote every special token (BOS included, where the model wants one).
+        return self.encode(text, add_special_tokens=False)
+
+
+def _eos_token_ids(hf: PreTrainedTokenizerBase, folder: Path) -> tuple[int, ...]:
+    """EOS ids of the tokenizer plus those of ``generation_config.json`` (an int or a list there), deduplicated."""
+    ids: list[int] = [hf.eos_token_id] if isinstance(hf.eos_token_id, int) else []
+    config = folder / "generation_config.json"
+    if config.is_file():
+        value = json.loads(config.read_text(encoding="utf-8")).get("eos_token_id")
+        ids.extend([value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)])
+    return tuple(dict.fromkeys(ids))
+
+
+def _check_messages(messages: list[dict[str, str]]) -> None:
+    if not messages:
+        raise InvalidRequestError("messages must contain at least one message")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise InvalidRequestError(f"messages[{i}] must be an object with a string 'content'")
+        if message.get("role") not in ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}] has role {message.get('role')!r}; expected one of {', '.join(ROLES)}"
+            )
+
+
+class IncrementalDetokenizer:
+    """Token ids in, stable text deltas out, with stop strings (see the module docstring for the invariant)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), stop: tuple[str, ...] = ()) -> None:
+        self._tokenizer = tokenizer
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._ids: list[int] = context
+        # Decoding window: ids[prefix_offset:read_offset] were already turned into text; that text is prefix_text.
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text = tokenizer.decode(context)
+        self._stop = _StopMatcher(stop)
+        self._text: list[str] = []
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.stopped
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (the deltas concatenated)."""
+        return "".join(self._text)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that became stable (possibly ""). After a stop, always ""."""
+        if self.stopped:
+            return ""
+        self._ids.append(token_id)
+        return self._emit(self._stop.feed(self._decode_new(final=False), final=False))
+
+    def flush(self) -> str:
+        """At the end of the sequence: return everything still held back (incomplete characters, partial stops)."""
+        if self.stopped:
+            return ""
+        return self._emit(self._stop.feed(self._decode_new(final=True), final=True))
+
+    def _emit(self, delta: str) -> str:
+        self._text.append(delta)
+        return delta
+
+    def _decode_new(self, *, final: bool) -> str:
+        """Text the window gained since the last emission; "" while it ends in an incomplete character."""
+        window = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        if len(window) <= len(self._prefix_text) or (window.endswith(_REPLACEMENT_CHAR) and not final):
+            # NOTE: a trailing U+FFFD means the last bytes do not form a character yet; wait for the next token.
+            return ""
+        delta = window[len(self._prefix_text) :]
+        # NOTE: the window slides: it now starts where the last read began, so it stays a few tokens long.
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        return delta
+
+
+class _StopMatcher:
+    """Holds back text that may begin a stop string; cuts the text before the first stop string to complete."""
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self._stop = stop
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str, *, final: bool) -> str:
+        """Return the text that is safe to emit now."""
+        buffer = self._held + text
+        cut = self._first_match(buffer)
+        if cut is not None:
+            self.stopped, self._held = True, ""
+            return buffer[:cut]
+        keep = 0 if final else self._partial_suffix(buffer)
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep]
+
+    def _first_match(self, buffer: str) -> int | None:
+        """Start of the stop string that completes first (ends earliest; the longer one on a tie), or None."""
+        best: tuple[int, int] | None = None  # (end, -start)
+        for stop in self._stop:
+            start = buffer.find(stop)
+            if start >= 0 and (best is None or (start + len(stop), -start) < best):
+                best = (start + len(stop), -start)
+        return None if best is None else -best[1]
+
+    def _partial_suffix(self, buffer: str) -> int:
+        """Length of the longest suffix of ``buffer`` that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self._stop:
+            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if buffer.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

@@ -1,0 +1,167 @@
+"""Sampler: greedy, filters, seeded reproducibility, distributions, min_tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.errors import InvalidSamplingParamsError
+from engine.sampler import Sampler, SamplerState
+from engine.sampling_params import SamplingParams
+
+VOCAB = 64
+EOS = 7
+
+
+@pytest.fixture
+def sampler() -> Sampler:
+    return Sampler(seed=0)
+
+
+def random_logits(n: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def state(sampler: Sampler, **params: object) -> SamplerState:
+    return sampler.new_state(SamplingParams(**params), eos_token_ids=(EOS,))  # type: ignore[arg-type]
+
+
+def test_greedy_is_argmax(sampler: Sampler) -> None:
+    logits = random_logits(8, seed=1)
+    states = [state(sampler) for _ in range(8)]
+    assert sampler.sample(logits, states) == logits.argmax(dim=-1).tolist()
+    assert [s.num_generated for s in states] == [1] * 8
+
+
+def test_greedy_rows_in_a_mixed_batch_are_argmax(sampler: Sampler) -> None:
+    logits = random_logits(4, seed=2)
+    states = [state(sampler), state(sampler, temperature=1.0), state(sampler), state(sampler, temperature=0.5, seed=3)]
+    tokens = sampler.sample(logits, states)
+    assert [tokens[0], tokens[2]] == [int(logits[0].argmax()), int(logits[2].argmax())]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_top_k_1_is_greedy(sampler: Sampler, seed: int) -> None:
+    logits = random_logits(6, seed=seed)
+    states = [state(sampler, temperature=1.5, top_k=1) for _ in range(6)]
+    assert sampler.sample(logits, states) == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_tiny_top_p_is_greedy(sampler: Sampler, seed: int) -> None:
+    logits = random_logits(6, seed=seed)
+    states = [state(sampler, temperature=2.0, top_p=1e-6) for _ in range(6)]
+    assert sampler.sample(logits, states) == logits.argmax(dim=-1).tolist()
+
+
+def run_seeded(sampler: Sampler, position: int, others: list[SamplingParams], steps: int = 30) -> list[int]:
+    """Sample a seeded request for ``steps`` steps at row ``position`` among ``others``; its row's logits are fixed."""
+    target = state(sampler, temperature=1.0, top_k=40, top_p=0.95, seed=1234)
+    other_states = [sampler.new_state(p, eos_token_ids=(EOS,)) for p in others]
+    out = []
+    for step in range(steps):
+        logits = random_logits(len(others) + 1, seed=1000 + step * 7 + len(others))
+        logits[position] = random_logits(1, seed=step)[0]
+        states = [*other_states[:position], target, *other_states[position:]]
+        out.append(sampler.sample(logits, states)[position])
+    return out
+
+
+def test_seeded_request_ignores_batch_composition_and_position() -> None:
+    alone = run_seeded(Sampler(seed=0), 0, [])
+    noisy = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=0.7, seed=5, top_k=3)]
+    assert run_seeded(Sampler(seed=1), 2, noisy) == alone
+    assert run_seeded(Sampler(seed=2), 0, noisy[:2]) == alone
+    assert run_seeded(Sampler(seed=3), 3, noisy) == alone
+    assert len(set(alone)) > 5  # it really sampled
+
+
+def test_different_seeds_give_different_tokens(sampler: Sampler) -> None:
+    logits = torch.zeros(1, VOCAB)
+    runs = []
+    for seed in (1, 2):
+        s = state(sampler, temperature=1.0, seed=seed)
+        runs.append([sampler.sample(logits, [s])[0] for _ in range(20)])
+    assert runs[0] != runs[1]
+
+
+def frequencies(sampler: Sampler, logits: torch.Tensor, draws: int, **params: object) -> torch.Tensor:
+    s = state(sampler, seed=42, **params)
+    counts = torch.zeros(logits.shape[-1])
+    for _ in range(draws):
+        counts[sampler.sample(logits[None], [s])[0]] += 1
+    return counts / draws
+
+
+def test_temperature_frequencies_match_softmax(sampler: Sampler) -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    freq = frequencies(sampler, logits, 8000, temperature=0.8)
+    expected = torch.softmax(logits / 0.8, dim=-1)
+    assert torch.allclose(freq, expected, atol=0.02), (freq, expected)
+
+
+def test_top_k_renormalises_over_the_k_best(sampler: Sampler) -> None:
+    logits = torch.tensor([0.0, 2.0, 1.0, -1.0, 1.5])
+    freq = frequencies(sampler, logits, 6000, temperature=1.0, top_k=2)
+    expected = torch.zeros(5)
+    expected[[1, 4]] = torch.softmax(torch.tensor([2.0, 1.5]), dim=-1)
+    assert torch.allclose(freq, expected, atol=0.025), (freq, expected)
+
+
+def test_top_p_keeps_the_smallest_nucleus(sampler: Sampler) -> None:
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])  # sorted: 0.5, 0.3 | 0.15, 0.05 -> 0.8 >= 0.7 after two tokens
+    freq = frequencies(sampler, probs.log(), 6000, temperature=1.0, top_p=0.7)
+    assert freq[0] == 0
+    assert freq[2] == 0
+    assert freq[1] == pytest.approx(0.5 / 0.8, abs=0.025)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_masks_eos_and_stop_tokens(sampler: Sampler, temperature: float) -> None:
+    logits = torch.full((1, VOCAB), -40.0)
+    logits[0, EOS], logits[0, 9], logits[0, 3] = 20.0, 10.0, 0.0
+    s = state(sampler, temperature=temperature, min_tokens=3, stop_token_ids=(9,), seed=0)
+    tokens = [sampler.sample(logits, [s])[0] for _ in range(4)]
+    assert tokens[:3] == [3, 3, 3]
+    assert tokens[3] == EOS
+    assert s.is_stop_token(EOS)
+    assert s.is_stop_token(9)
+    assert not s.is_stop_token(3)
+
+
+def test_ignore_eos_does_not_mask_or_stop_on_eos(sampler: Sampler) -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, EOS] = 5.0
+    s = state(sampler, min_tokens=2, ignore_eos=True)
+    assert sampler.sample(logits, [s]) == [EOS]
+    assert not s.is_stop_token(EOS)
+
+
+def test_stop_token_ids_outside_the_vocab_are_ignored(sampler: Sampler) -> None:
+    logits = random_logits(1, seed=5)
+    logits[0, EOS] = -100.0
+    s = state(sampler, min_tokens=1, stop_token_ids=(VOCAB + 10,))
+    assert sampler.sample(logits, [s]) == [int(logits[0].argmax())]
+
+
+def test_batch_shape_mismatch_is_rejected(sampler: Sampler) -> None:
+    with pytest.raises(ValueError, match="expected logits"):
+        sampler.sample(torch.zeros(2, VOCAB), [state(sampler)])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": -0.1},
+        {"temperature": float("nan")},
+        {"top_k": -1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"seed": -3},
+        {"min_tokens": 10, "max_tokens": 5},
+        {"max_tokens": 0},
+    ],
+)
+def test_invalid_params_are_rejected(params: dict[str, object]) -> None:
+    with pytest.raises(InvalidSamplingParamsError):
+        SamplingParams(**params)  # type: ignore[arg-type]
