@@ -5,7 +5,7 @@ Pure bookkeeping over integers; the tensors that hold the K/V values live in the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from engine.kv.block_hash import BlockHash
@@ -65,6 +65,18 @@ class FreeBlockQueue:
         block.prev_free = last
         block.next_free = self._tail
         self._tail.prev_free = block
+        self._len += 1
+
+    def appendleft(self, block: KVBlock) -> None:
+        """Put ``block`` at the head: it is the next one ``popleft`` returns."""
+        if block.prev_free is not None:
+            raise ValueError(f"{block} is already in the free queue")
+        first = self._head.next_free
+        assert first is not None  # sentinel invariant
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
         self._len += 1
 
     def popleft(self) -> KVBlock:
@@ -158,6 +170,21 @@ class BlockPool:
         block.token_ids = token_ids
         self.cached[block_hash] = block
         return True
+
+    def evict_free_blocks(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop the hash of each free block and move it to the head of the free queue, ``blocks[0]`` first in line.
+
+        Raises ValueError (changing nothing) when a block is in use: only free blocks can be evicted.
+        """
+        for block in blocks:
+            if block.ref_cnt != 0:
+                raise ValueError(f"{block} is in use and cannot be evicted")
+        # NOTE: appendleft in reverse so the queue's head ends up in the given order. An evicted block holds nothing
+        # reusable, so it is handed out before any block that still holds a published prefix.
+        for block in reversed(blocks):
+            self._evict(block)
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:

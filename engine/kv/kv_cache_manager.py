@@ -7,6 +7,9 @@ Protocol for one request (the scheduler drives it)::
     ... the model runner fills the slots ...
     kv.cache_full_blocks(rid, root, token_ids, num_computed)     # publish the blocks the step filled
     kv.free(rid)                                                 # when the request finishes or is preempted
+
+When a chat session closes, ``kv.evict_cached(session_index.release(key))`` drops the cached blocks only that session
+wanted (see ``engine.kv.session_index``).
 """
 
 from __future__ import annotations
@@ -147,6 +150,45 @@ class KVCacheManager:
         # head block would strand its descendants (matching walks the chain from the root), and heads are the blocks
         # most likely shared by the next request (system prompt, earlier turns).
         self.pool.free_blocks(reversed(state.blocks))
+
+    def cached_chain(self, root: BlockHash, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Chain hashes of the full blocks of ``token_ids`` that are cached right now with exactly these tokens.
+
+        In chain order. Unlike ``match_prefix`` it does not stop at the first miss (a block past a miss is unreachable
+        for a match but still occupies a cached block) and it covers the last token too. No side effects.
+        """
+        bs = self.block_size
+        out: list[BlockHash] = []
+        parent = root
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            tokens = tuple(token_ids[start : start + bs])
+            parent = hash_block(parent, tokens)
+            block = self.pool.get_cached_block(parent)
+            if block is not None and block.token_ids == tokens:
+                out.append(parent)
+        return out
+
+    def evict_cached(self, hashes: Sequence[BlockHash]) -> int:
+        """Drop the cached blocks of ``hashes`` that no request holds; returns how many were evicted.
+
+        Each evicted block loses its hash (later matches miss it) and moves to the head of the free queue, in the order
+        of ``hashes``, so it is reused before any block that still holds a prefix. Hashes that are not cached (never
+        published, or already evicted by LRU) are skipped.
+        """
+        victims: list[KVBlock] = []
+        seen: set[int] = set()
+        for block_hash in hashes:
+            block = self.pool.get_cached_block(block_hash)
+            # NOTE: a block with ref_cnt > 0 sits in a running request's block table: that request (of another session
+            # sharing the prefix, or the closing session's own in-flight turn) is still reading its K/V and will be
+            # recorded for its session when it finishes, so dropping the hash would only make that session's next turn
+            # miss; and an in-use block cannot join the free queue anyway. Once freed it ages out through the LRU.
+            if block is None or block.ref_cnt > 0 or block.block_id in seen:
+                continue
+            seen.add(block.block_id)
+            victims.append(block)
+        self.pool.evict_free_blocks(victims)
+        return len(victims)
 
     def block_table(self, request_id: str) -> list[int]:
         """Physical block ids of the request in logical order (empty for an unknown request)."""

@@ -148,3 +148,65 @@ def test_free_queue_operations() -> None:
     assert list(q) == []
     with pytest.raises(IndexError):
         q.popleft()
+
+
+def test_free_queue_appendleft_puts_the_block_first() -> None:
+    blocks = [KVBlock(i) for i in range(4)]
+    q = FreeBlockQueue(blocks[:2])
+    q.appendleft(blocks[2])
+    q.appendleft(blocks[3])
+    assert [b.block_id for b in q] == [3, 2, 0, 1]
+    assert len(q) == 4
+    assert blocks[3] in q
+    with pytest.raises(ValueError, match="already in the free queue"):
+        q.appendleft(blocks[0])
+    assert q.popleft() is blocks[3]
+    q.remove(blocks[1])
+    q.append(blocks[1])
+    assert [b.block_id for b in q] == [2, 0, 1]
+    empty = FreeBlockQueue([])
+    empty.appendleft(blocks[3])
+    assert list(empty) == [blocks[3]]
+    assert empty.popleft() is blocks[3]
+    assert len(empty) == 0
+
+
+def test_evict_free_blocks_drops_hashes_and_moves_to_head_in_order() -> None:
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(3)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, h(i), (i,))
+    pool.free_blocks(blocks)
+    assert pool.free_block_ids() == [3, 4, 0, 1, 2]
+    pool.evict_free_blocks([blocks[2], blocks[0]])
+    assert pool.free_block_ids() == [2, 0, 3, 4, 1]
+    assert pool.get_cached_block(h(0)) is None
+    assert pool.get_cached_block(h(2)) is None
+    assert pool.get_cached_block(h(1)) is blocks[1]
+    assert (blocks[2].block_hash, blocks[2].token_ids) == (None, None)
+    assert (blocks[0].block_hash, blocks[0].token_ids) == (None, None)
+    assert pool.num_cached_blocks == 1
+    assert pool.num_free_blocks == 5
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [2, 0]
+
+
+def test_evict_free_blocks_refuses_a_used_block_and_changes_nothing() -> None:
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_block(a, h(1), (1,))
+    pool.cache_block(b, h(2), (2,))
+    pool.free_blocks([a])
+    with pytest.raises(ValueError, match="in use"):
+        pool.evict_free_blocks([a, b])
+    assert pool.free_block_ids() == [2, 0]
+    assert pool.get_cached_block(h(1)) is a
+    assert pool.get_cached_block(h(2)) is b
+
+
+def test_evict_free_blocks_with_an_uncached_block_only_moves_it() -> None:
+    pool = BlockPool(3)
+    pool.evict_free_blocks([pool.blocks[2]])
+    assert pool.free_block_ids() == [2, 0, 1]
+    assert pool.num_cached_blocks == 0
+    pool.evict_free_blocks([])
+    assert pool.free_block_ids() == [2, 0, 1]

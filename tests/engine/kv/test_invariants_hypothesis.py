@@ -1,4 +1,5 @@
-"""Stateful property test: random admit / extend / free sequences never break the pool's invariants."""
+"""Stateful property test: random admit / extend / free / finish / close-session sequences never break the pool's
+invariants, and closing a session never touches a block another session or a running request still uses."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine.kv.block_hash import BlockHash, hash_chain, root_hash
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.session_index import SessionIndex
 
 BS = 4
 NUM_BLOCKS = 12
 ROOTS = (root_hash("m", "a"), root_hash("m", "b"))
 # A few shared "system prompts" so random requests often hit each other's blocks.
 BASES = ([1] * 12, [1] * 8 + [2] * 8, [3, 4, 5, 6] * 3)
+SESSIONS = ("s0", "s1", "s2")
 
 
 @dataclass
@@ -31,6 +34,8 @@ class KVMachine(RuleBasedStateMachine):
         self.kv = KVCacheManager(NUM_BLOCKS, BS)
         self.reqs: dict[str, _Req] = {}
         self.next_id = 0
+        self.index = SessionIndex()
+        self.chains: dict[str, list[BlockHash]] = {}  # model of the index: session -> recorded chain
 
     def _compute(self, rid: str) -> None:
         req = self.reqs[rid]
@@ -77,6 +82,52 @@ class KVMachine(RuleBasedStateMachine):
         del self.reqs[rid]
         self.kv.free(rid)
         assert self.kv.block_table(rid) == []
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(pick=st.integers(0, 1000), session=st.sampled_from(SESSIONS))
+    def finish(self, pick: int, session: str) -> None:
+        """A request finishes: free it and record its chain for its session (as the engine does)."""
+        rid = sorted(self.reqs)[pick % len(self.reqs)]
+        req = self.reqs.pop(rid)
+        self.kv.free(rid)
+        chain = hash_chain(req.root, req.tokens, BS)
+        self.index.record(session, chain)
+        self.chains[session] = chain
+
+    @precondition(lambda self: bool(self.chains))
+    @rule(pick=st.integers(0, 1000))
+    def close(self, pick: int) -> None:
+        """A session closes: evict what only it referenced, never what another session or a running request uses."""
+        session = sorted(self.chains)[pick % len(self.chains)]
+        pool = self.kv.pool
+        chain = self.chains.pop(session, [])
+        still_wanted = {h for other in self.chains.values() for h in other}
+        released = self.index.release(session)
+        assert released == [h for h in dict.fromkeys(chain) if h not in still_wanted][::-1]
+        before = dict(pool.cached)
+        refs_before = [b.ref_cnt for b in pool.blocks]
+        queue_before = pool.free_block_ids()
+        evicted = [h for h in dict.fromkeys(released) if h in before and before[h].ref_cnt == 0]
+        victims = [before[h] for h in evicted]
+        assert self.kv.evict_cached(released) == len(victims)
+        assert [b.ref_cnt for b in pool.blocks] == refs_before
+        victim_ids = [b.block_id for b in victims]
+        assert pool.free_block_ids() == victim_ids + [i for i in queue_before if i not in victim_ids]
+        assert set(pool.cached) == set(before) - set(evicted)
+        for block in victims:
+            assert block.block_hash is None
+            assert block.token_ids is None
+
+    @invariant()
+    def session_counts_match_the_chains(self) -> None:
+        assert len(self.index) == len(self.chains)
+        counts: Counter[BlockHash] = Counter()
+        for session, chain in self.chains.items():
+            assert session in self.index
+            counts.update(set(chain))
+        for chain in self.chains.values():
+            for block_hash in chain:
+                assert self.index.sessions_of(block_hash) == counts[block_hash]
 
     @invariant()
     def free_queue_and_refs_agree(self) -> None:

@@ -4,6 +4,7 @@ import pytest
 
 from engine.kv.block_hash import BlockHash, hash_chain, root_hash
 from engine.kv.kv_cache_manager import KVCacheManager, KVCacheUsage, MatchResult
+from engine.kv.session_index import SessionIndex
 
 BS = 16
 ROOT = root_hash("model", "tenant-a")
@@ -257,3 +258,148 @@ def test_prefix_caching_disabled() -> None:
 def test_invalid_block_size() -> None:
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(num_blocks=2, block_size=0)
+
+
+SYSTEM = toks(32, start=1000)  # a two-block system prompt every session starts with
+ALICE = SYSTEM + toks(32)  # 4 full blocks
+BOB = [*SYSTEM, *toks(16, start=500), 1]  # 3 full blocks + 1 token
+
+
+def two_finished_sessions() -> tuple[KVCacheManager, SessionIndex]:
+    """Alice then Bob each ran one request to completion; both chains are recorded, every block is free."""
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    index = SessionIndex()
+    for rid, key, tokens in (("a1", "alice", ALICE), ("b1", "bob", BOB)):
+        run_prompt(kv, rid, tokens)
+        kv.free(rid)
+        index.record(key, hash_chain(ROOT, tokens, BS))
+    return kv, index
+
+
+def test_two_sessions_share_the_system_prompt_blocks() -> None:
+    kv, index = two_finished_sessions()
+    # Alice: blocks 0-3 (all published). Bob: hit 0, 1, then block 4 (published) and block 5 (partial).
+    assert kv.pool.free_block_ids() == [6, 7, 8, 9, 3, 2, 5, 4, 1, 0]
+    assert kv.usage().num_cached_blocks == 5
+    assert [index.sessions_of(h) for h in hash_chain(ROOT, ALICE, BS)] == [2, 2, 1, 1]
+
+
+def test_releasing_one_session_evicts_only_its_unique_tail() -> None:
+    kv, index = two_finished_sessions()
+    alice = hash_chain(ROOT, ALICE, BS)
+    released = index.release("alice")
+    assert released == [alice[3], alice[2]]
+    assert kv.evict_cached(released) == 2
+    # Alice's tail blocks 3, 2 go to the head of the free queue in the released (tail-first) order.
+    assert kv.pool.free_block_ids() == [3, 2, 6, 7, 8, 9, 5, 4, 1, 0]
+    assert [kv.pool.blocks[i].block_hash for i in (2, 3)] == [None, None]
+    assert [kv.pool.blocks[i].token_ids for i in (2, 3)] == [None, None]
+    assert kv.usage().num_cached_blocks == 3
+    assert kv.usage().num_evictable_blocks == 3
+    assert refs(kv) == [0] * 10
+    # The shared system prompt still hits, for Alice's old prompt and for Bob's.
+    assert kv.match_prefix(ROOT, ALICE).blocks == (0, 1)
+    assert kv.match_prefix(ROOT, BOB).blocks == (0, 1, 4)
+    # The evicted blocks are the first to be reused; cached blocks are left alone.
+    assert kv.allocate_slots("c", 32)
+    assert kv.block_table("c") == [3, 2]
+    assert kv.usage().num_cached_blocks == 3
+
+
+def test_releasing_both_sessions_evicts_everything() -> None:
+    kv, index = two_finished_sessions()
+    assert kv.evict_cached(index.release("alice")) == 2
+    bob = hash_chain(ROOT, BOB, BS)
+    released = index.release("bob")
+    assert released == [bob[2], bob[1], bob[0]]
+    assert kv.evict_cached(released) == 3
+    assert kv.pool.free_block_ids() == [4, 1, 0, 3, 2, 6, 7, 8, 9, 5]
+    assert kv.usage().num_cached_blocks == 0
+    assert kv.pool.cached == {}
+    assert all(b.block_hash is None and b.token_ids is None for b in kv.pool.blocks)
+    assert kv.match_prefix(ROOT, ALICE).blocks == ()
+    assert kv.match_prefix(ROOT, BOB).blocks == ()
+    assert len(index) == 0
+
+
+def test_blocks_of_a_running_request_are_not_evicted() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    index = SessionIndex()
+    run_prompt(kv, "a1", ALICE)
+    kv.free("a1")
+    index.record("alice", hash_chain(ROOT, ALICE, BS))
+    # Bob's first request is still running (nothing recorded for him yet) and holds the system prompt blocks.
+    run_prompt(kv, "b1", BOB)
+    assert kv.block_table("b1") == [0, 1, 4, 5]
+    alice = hash_chain(ROOT, ALICE, BS)
+    released = index.release("alice")
+    assert released == alice[::-1]
+    assert kv.evict_cached(released) == 2
+    assert refs(kv) == [1, 1, 0, 0, 1, 1, 0, 0, 0, 0]
+    assert kv.pool.free_block_ids() == [3, 2, 6, 7, 8, 9]
+    assert [kv.pool.blocks[i].block_hash for i in (0, 1)] == alice[:2]
+    assert kv.match_prefix(ROOT, ALICE).blocks == (0, 1)
+    # Once Bob's request finishes its blocks become ordinary LRU entries, still cached.
+    kv.free("b1")
+    assert kv.pool.free_block_ids() == [3, 2, 6, 7, 8, 9, 5, 4, 1, 0]
+    assert kv.usage().num_cached_blocks == 3
+
+
+def test_closing_session_with_a_request_in_flight_keeps_its_blocks() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    run_prompt(kv, "a1", ALICE)
+    hashes = hash_chain(ROOT, ALICE, BS)
+    assert kv.evict_cached(hashes[::-1]) == 0
+    assert kv.usage().num_cached_blocks == 4
+    assert kv.pool.free_block_ids() == [4, 5]
+    kv.free("a1")
+    assert kv.evict_cached(hashes[::-1]) == 4
+    assert kv.pool.free_block_ids() == [3, 2, 1, 0, 4, 5]
+
+
+def test_evict_cached_skips_uncached_and_duplicate_hashes() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    run_prompt(kv, "a", toks(40))  # blocks 0, 1 published; block 2 partial
+    kv.free("a")
+    h0, h1 = hash_chain(ROOT, toks(40), BS)
+    never_cached = hash_chain(ROOT, toks(48), BS)[2]
+    other_namespace = hash_chain(OTHER_ROOT, toks(40), BS)[0]
+    assert kv.evict_cached([]) == 0
+    assert kv.evict_cached([never_cached, other_namespace]) == 0
+    assert kv.pool.free_block_ids() == [3, 2, 1, 0]
+    assert kv.evict_cached([h1, h1, never_cached]) == 1
+    assert kv.pool.free_block_ids() == [1, 3, 2, 0]
+    assert kv.evict_cached([h1]) == 0  # already evicted
+    assert kv.pool.get_cached_block(h0) is kv.pool.blocks[0]
+
+
+def test_cached_chain_lists_every_cached_full_block_in_order() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    run_prompt(kv, "a", ALICE)
+    kv.free("a")
+    chain = hash_chain(ROOT, ALICE, BS)
+    # Covers the last prompt token's block too (match_prefix would stop one block short).
+    assert kv.cached_chain(ROOT, ALICE) == chain
+    assert kv.match_prefix(ROOT, ALICE).blocks == (0, 1, 2)
+    assert kv.cached_chain(ROOT, [*ALICE, 5]) == chain
+    assert kv.cached_chain(ROOT, ALICE[:40]) == chain[:2]
+    assert kv.cached_chain(OTHER_ROOT, ALICE) == []
+    # A miss in the middle strands the blocks after it for matching, but they are still listed (and evictable).
+    assert kv.evict_cached([chain[1]]) == 1
+    assert kv.match_prefix(ROOT, ALICE).blocks == (0,)
+    assert kv.cached_chain(ROOT, ALICE) == [chain[0], chain[2], chain[3]]
+    # A hash hit whose tokens differ (a collision) is not this chain's block.
+    kv.pool.blocks[3].token_ids = tuple(toks(16, start=1000))
+    assert kv.cached_chain(ROOT, ALICE) == [chain[0], chain[2]]
+    assert kv.evict_cached(kv.cached_chain(ROOT, ALICE)[::-1]) == 2
+    assert kv.usage().num_cached_blocks == 1
+    assert kv.pool.free_block_ids() == [2, 0, 1, 4, 5, 6, 7, 3]
+
+
+def test_evict_cached_with_prefix_caching_disabled_is_a_no_op() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    run_prompt(kv, "a", ALICE)
+    kv.free("a")
+    assert kv.cached_chain(ROOT, ALICE) == []
+    assert kv.evict_cached(hash_chain(ROOT, ALICE, BS)) == 0
+    assert kv.pool.free_block_ids() == [3, 2, 1, 0]

@@ -1,0 +1,69 @@
+"""Which chat sessions still want which cached blocks: ``session key -> chain of block hashes`` plus per-hash counts.
+
+The engine records a session's chain (prompt + generated full blocks of its most recent request) when the request
+finishes. When the session closes (inactivity timeout, admin close) ``release`` returns the hashes no other session
+references any more, and ``KVCacheManager.evict_cached`` drops those that no running request holds either.
+
+Pure bookkeeping over hashes: it never looks at the pool, so a hash it returns may already have been evicted by LRU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.kv.block_hash import BlockHash
+
+
+class SessionIndex:
+    def __init__(self) -> None:
+        self._chains: dict[str, tuple[BlockHash, ...]] = {}
+        # NOTE: counts sessions, not occurrences: a hash listed twice in one chain counts once, so one release can
+        # never take a count below what the other sessions contribute. A hash whose count would be 0 is not stored.
+        self._sessions_per_hash: dict[BlockHash, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._chains)
+
+    def __contains__(self, session_key: object) -> bool:
+        return session_key in self._chains
+
+    def chain(self, session_key: str) -> tuple[BlockHash, ...]:
+        """The session's recorded chain (empty for an unknown session)."""
+        return self._chains.get(session_key, ())
+
+    def sessions_of(self, block_hash: BlockHash) -> int:
+        """How many sessions reference ``block_hash``."""
+        return self._sessions_per_hash.get(block_hash, 0)
+
+    def record(self, session_key: str, chain: Sequence[BlockHash]) -> None:
+        """Set the session's chain, replacing its previous one (counts of hashes it no longer lists drop by one)."""
+        new = tuple(dict.fromkeys(chain))
+        old = self._chains.get(session_key, ())
+        # NOTE: add before removing so a hash in both chains never passes through 0 (and is never dropped from the map).
+        for block_hash in new:
+            self._sessions_per_hash[block_hash] = self._sessions_per_hash.get(block_hash, 0) + 1
+        self._chains[session_key] = new
+        self._unref(old)
+
+    def release(self, session_key: str) -> list[BlockHash]:
+        """Forget the session. Returns the hashes of its chain that no other session references, tail first.
+
+        Unknown sessions return ``[]``. Tail first matches ``KVCacheManager.free``: a chain's tail is dropped before
+        its head, which is the part most likely to be shared again (system prompt, earlier turns).
+        """
+        chain = self._chains.pop(session_key, None)
+        if chain is None:
+            return []
+        return self._unref(chain)[::-1]
+
+    def _unref(self, chain: tuple[BlockHash, ...]) -> list[BlockHash]:
+        """Drop one count per hash; returns the hashes that reached 0, in chain order."""
+        orphans = []
+        for block_hash in chain:
+            n = self._sessions_per_hash[block_hash] - 1
+            if n == 0:
+                del self._sessions_per_hash[block_hash]
+                orphans.append(block_hash)
+            else:
+                self._sessions_per_hash[block_hash] = n
+        return orphans
