@@ -43,8 +43,7 @@ class PromptTooLongError(InvalidRequestError):
         self.max_tokens = max_tokens
         self.limit = limit
         super().__init__(
-            f"prompt of {prompt_tokens} tokens plus max_tokens={max_tokens} exceeds the {what} "
-            f"of {limit} tokens"
+            f"prompt of {prompt_tokens} tokens plus max_tokens={max_tokens} exceeds the {what} of {limit} tokens"
         )
 
 

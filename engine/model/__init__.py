@@ -1,0 +1,46 @@
+"""Llama-family models over a paged KV pool: architecture spec, weights, forward, loading.
+
+``load_model(folder, device, dtype)`` turns a resolved model folder (see ``loader.resolve_model``) into a
+``LoadedModel`` that ``engine.model_runner.ModelRunner`` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.model.llama import LlamaModel, ModelWeights
+from engine.model.loader import ResolvedModel, eos_token_ids, open_checkpoint, read_config, resolve_model
+from engine.model.spec import ModelSpec
+
+__all__ = ["LoadedModel", "ModelSpec", "ResolvedModel", "load_model", "resolve_model"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    spec: ModelSpec
+    weights: ModelWeights
+    path: Path
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+    dtype: torch.dtype
+    fingerprint: str | None = None
+
+    def build(self, max_len: int) -> LlamaModel:
+        return LlamaModel(self.spec, self.weights, max_len, self.device)
+
+
+def load_model(folder: Path, device: torch.device, dtype: torch.dtype, fingerprint: str | None = None) -> LoadedModel:
+    """Read config + safetensors of ``folder`` into fused weights on ``device`` in ``dtype``."""
+    started = time.monotonic()
+    spec = ModelSpec.from_hf_config(read_config(folder))
+    with open_checkpoint(folder) as get:
+        weights = ModelWeights.from_tensors(spec, get, dtype, device)
+    log.info("loaded %s (%s, %s) in %.1fs", folder, spec.model_type, dtype, time.monotonic() - started)
+    return LoadedModel(spec, weights, folder, eos_token_ids(folder, spec), device, dtype, fingerprint)

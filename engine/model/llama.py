@@ -1,0 +1,193 @@
+"""Our own Llama-family forward pass over the paged KV pool (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
+
+Written for low per-step overhead on CPU rather than as a module tree: weights are plain tensors, q/k/v are fused into
+one matrix and gate/up into another at load time (two matmuls fewer per layer), RoPE cos/sin come from tables built
+once, the whole batch (every sequence's new tokens, concatenated) goes through each linear layer as one matmul, and
+the LM head runs only on the rows whose logits are needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import ModelLoadError
+from engine.model.paged_attention import AttentionPlan, attend, write_kv
+from engine.model.spec import ModelSpec, RopeSpec
+
+TensorGetter = Callable[[str], torch.Tensor | None]
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor  # the same tensor as ``embed`` when the embeddings are tied
+
+    @classmethod
+    def from_tensors(cls, spec: ModelSpec, get: TensorGetter, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+        """Build from HF-named tensors; ``get(name)`` returns the tensor or None when the checkpoint lacks it."""
+
+        def need(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            tensor = get(name)
+            if tensor is None:
+                raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
+            if tuple(tensor.shape) != shape:
+                raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+            return tensor.to(device=device, dtype=dtype)
+
+        embed = need("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
+        lm_head = embed
+        if not spec.tie_word_embeddings or get("lm_head.weight") is not None:
+            lm_head = need("lm_head.weight", (spec.vocab_size, spec.hidden_size))
+        layers = [_layer(spec, f"model.layers.{i}.", need, get, dtype, device) for i in range(spec.num_layers)]
+        return cls(embed, layers, need("model.norm.weight", (spec.hidden_size,)), lm_head)
+
+
+def _layer(
+    spec: ModelSpec,
+    prefix: str,
+    need: Callable[[str, tuple[int, ...]], torch.Tensor],
+    get: TensorGetter,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LayerWeights:
+    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    sizes = {"q": spec.q_size, "k": spec.kv_size, "v": spec.kv_size}
+    qkv = torch.cat([need(f"{attn}{n}_proj.weight", (size, h)) for n, size in sizes.items()])
+    biases = [get(f"{attn}{n}_proj.bias") for n in sizes]
+    qkv_bias = None
+    if any(b is not None for b in biases):  # Qwen2 (q/k/v), Llama with attention_bias
+        qkv_bias = torch.cat([need(f"{attn}{n}_proj.bias", (size,)) for n, size in sizes.items()])
+    o_bias = get(attn + "o_proj.bias")
+    return LayerWeights(
+        input_norm=need(prefix + "input_layernorm.weight", (h,)),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        o=need(attn + "o_proj.weight", (h, spec.q_size)),
+        o_bias=None if o_bias is None else need(attn + "o_proj.bias", (h,)),
+        q_norm=need(attn + "q_norm.weight", (d,)) if spec.qk_norm else None,
+        k_norm=need(attn + "k_norm.weight", (d,)) if spec.qk_norm else None,
+        post_norm=need(prefix + "post_attention_layernorm.weight", (h,)),
+        gate_up=torch.cat([need(mlp + "gate_proj.weight", (inter, h)), need(mlp + "up_proj.weight", (inter, h))]),
+        down=need(mlp + "down_proj.weight", (h, inter)),
+    )
+
+
+def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32), as transformers computes them for each rope type."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type != "llama3":
+        return inv_freq
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[max_len, 2, head_dim]``: cos and *signed* sin per position, so that RoPE is
+    ``x * cos + cat(x2, x1) * sin_signed`` (``sin_signed = cat(-sin, sin)``, the same products as rotate_half)."""
+    inv_freq = rope_inv_freq(spec.rope, spec.head_dim)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    cos, sin = freqs.cos(), freqs.sin()
+    table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
+    return table.to(device=device, dtype=dtype)
+
+
+class LlamaModel:
+    """The forward pass. Stateless apart from the weights; the KV pool is passed in."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, max_len: int, device: torch.device) -> None:
+        self.spec = spec
+        self.weights = weights
+        self.device = device
+        self.dtype = weights.embed.dtype
+        self.rope = rope_tables(spec, max_len, self.dtype, device)
+        self.scale = spec.head_dim**-0.5
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        kv_pool: torch.Tensor,
+        logit_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``input_ids``/``positions``: ``[N]``; returns float32 logits ``[len(logit_rows), vocab]`` (all rows when
+        ``logit_rows`` is None)."""
+        x = F.embedding(input_ids, self.weights.embed)
+        rope = self.rope.index_select(0, positions)  # [N, 2, D]
+        cos, sin = rope[:, 0:1], rope[:, 1:2]  # broadcast over heads
+        for i, layer in enumerate(self.weights.layers):
+            x = self._layer(x, layer, cos, sin, plan, kv_pool[i])
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)
+        x = F.rms_norm(x, (self.spec.hidden_size,), self.weights.norm, self.spec.rms_norm_eps)
+        return F.linear(x, self.weights.lm_head).float()
+
+    def _layer(
+        self,
+        x: torch.Tensor,
+        w: LayerWeights,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+        kv: torch.Tensor,
+    ) -> torch.Tensor:
+        spec = self.spec
+        n, heads, kv_heads, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
+        h = F.rms_norm(x, (spec.hidden_size,), w.input_norm, spec.rms_norm_eps)
+        qkv = F.linear(h, w.qkv, w.qkv_bias)
+        qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
+        v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
+        if w.q_norm is not None and w.k_norm is not None:
+            qk = torch.cat(
+                [
+                    F.rms_norm(qk[:, :heads], (d,), w.q_norm, spec.rms_norm_eps),
+                    F.rms_norm(qk[:, heads:], (d,), w.k_norm, spec.rms_norm_eps),
+                ],
+                dim=1,
+            )
+        qk = _apply_rope(qk, cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        write_kv(kv[0], kv[1], plan, k, v)
+        attn = attend(q, kv[0], kv[1], plan).reshape(n, heads * d)
+        x = x + F.linear(attn, w.o, w.o_bias)
+        h = F.rms_norm(x, (spec.hidden_size,), w.post_norm, spec.rms_norm_eps)
+        gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, w.down)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,165 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV pool, returns logits.
+
+The runner owns the KV pool: one preallocated tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``
+(see ``engine.model.paged_attention``). It never clears blocks: a block's slots are overwritten before any query can
+attend to them, because every attended position ``< start_pos + len`` was written by this or an earlier step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.device import resolve_device, resolve_dtype
+from engine.errors import InvalidRequestError
+from engine.model import LoadedModel, load_model
+from engine.model.loader import ResolvedModel, resolve_model
+from engine.model.paged_attention import build_plan
+from engine.model.spec import ModelSpec
+
+
+@dataclass(slots=True)
+class BatchItem:
+    token_ids: list[int]  # the tokens to compute this step (a prefill chunk, or the one decode token)
+    start_pos: int  # tokens of this sequence already in the KV pool (their positions are 0..start_pos-1)
+    block_table: list[int]  # physical blocks covering start_pos + len(token_ids) tokens
+    need_logits: bool  # False for a prefill chunk that does not end the prompt
+
+
+def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
+    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+
+
+def num_blocks_for_budget(spec: ModelSpec, max_kv_memory_mb: int, block_size: int, dtype: torch.dtype) -> int:
+    """How many KV blocks fit in ``max_kv_memory_mb`` MiB (at least one, or the budget is an error)."""
+    per_block = kv_bytes_per_token(spec, dtype) * block_size
+    blocks = max_kv_memory_mb * (1 << 20) // per_block
+    if blocks < 1:
+        raise InvalidRequestError(
+            f"invalid engine config: max_kv_memory_mb={max_kv_memory_mb} holds no KV block of {per_block} bytes"
+        )
+    return int(blocks)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: str | Path | ResolvedModel | LoadedModel,
+        num_blocks: int,
+        block_size: int = 16,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        cache_dir: str | None = None,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise InvalidRequestError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        self.loaded = _load(model, device, dtype, cache_dir)
+        self.spec = self.loaded.spec
+        self.device = self.loaded.device
+        self.dtype = self.loaded.dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = min(max_model_len or self.spec.max_model_len, self.spec.max_model_len)
+        self.model = self.loaded.build(self.max_model_len)
+        s = self.spec
+        # NOTE: zeros, not empty: padded decode attention reads (masked) slots of block 0, and 0 * NaN would leak.
+        self.kv_pool = torch.zeros(
+            (s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim), dtype=self.dtype, device=self.device
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> ModelRunner:
+        """Load ``config.model`` and size the KV pool from ``config.max_kv_memory_mb``."""
+        if config.num_threads is not None and config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        loaded = _load(config.model, config.device, config.dtype, config.cache_dir)
+        blocks = num_blocks_for_budget(loaded.spec, config.max_kv_memory_mb, config.block_size, loaded.dtype)
+        return cls(loaded, blocks, config.block_size, max_model_len=config.max_model_len)
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.loaded.path)
+
+    @property
+    def architecture(self) -> str:
+        return self.spec.model_type
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.loaded.eos_token_ids
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.loaded.fingerprint
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.spec, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, items: list[BatchItem]) -> torch.Tensor:
+        """Float32 logits ``[n_items_with_need_logits, vocab]`` for the last token of each such item, in order."""
+        if not items:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32)
+        ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        for item in items:
+            self._check(item)
+            ids.extend(item.token_ids)
+            positions.extend(range(item.start_pos, item.start_pos + len(item.token_ids)))
+            if item.need_logits:
+                logit_rows.append(len(ids) - 1)
+        plan = build_plan(
+            [(it.start_pos, len(it.token_ids), it.block_table) for it in items], self.block_size, self.device
+        )
+        rows = None if len(logit_rows) == len(ids) else torch.tensor(logit_rows, device=self.device)
+        if not logit_rows:
+            rows = torch.empty(0, dtype=torch.long, device=self.device)
+        input_ids = torch.tensor(ids, device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        return self.model.forward(input_ids, pos, plan, self.kv_pool, rows)
+
+    def _check(self, item: BatchItem) -> None:
+        end = item.start_pos + len(item.token_ids)
+        if not item.token_ids or item.start_pos < 0:
+            raise ValueError(
+                f"batch item needs >= 1 token and start_pos >= 0, got {len(item.token_ids)}, {item.start_pos}"
+            )
+        if end > self.max_model_len:
+            raise ValueError(f"position {end - 1} is beyond max_model_len={self.max_model_len}")
+        if len(item.block_table) * self.block_size < end:
+            raise ValueError(f"block table of {len(item.block_table)} blocks cannot hold {end} tokens")
+        if min(item.token_ids) < 0 or max(item.token_ids) >= self.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        if min(item.block_table) < 0 or max(item.block_table) >= self.num_blocks:
+            raise ValueError(f"block id out of range [0, {self.num_blocks})")
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the blocks' K/V, ``[layers, 2, len(block_ids), block_size, kv_heads, head_dim]`` (for tiers)."""
+        return self.kv_pool[:, :, block_ids].clone()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Overwrite blocks with K/V previously returned by ``read_blocks`` (same model, dtype and block size)."""
+        self.kv_pool[:, :, block_ids] = data.to(device=self.device, dtype=self.dtype)
+
+
+def _load(
+    model: str | Path | ResolvedModel | LoadedModel,
+    device: str | torch.device,
+    dtype: str | torch.dtype,
+    cache_dir: str | None,
+) -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        return model
+    resolved = model if isinstance(model, ResolvedModel) else resolve_model(str(model), cache_dir)
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    return load_model(resolved.path, dev, resolve_dtype(dtype, dev), resolved.fingerprint)

@@ -1,0 +1,154 @@
+"""resolve_model / fingerprint / error paths, on tiny folders made here; the real SmolLM2 GGUF is marked slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from engine.errors import ModelLoadError
+from engine.model.loader import DEFAULT_MODEL, fingerprint, resolve_model
+from engine.model.spec import ModelSpec
+from engine.model_runner import BatchItem, ModelRunner
+
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 64,
+}
+
+
+@pytest.fixture
+def tiny_folder(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+def test_folder_roundtrip_and_fingerprint_is_stable(tiny_folder: Path, tmp_path: Path) -> None:
+    first = resolve_model(str(tiny_folder), cache_dir=str(tmp_path / "cache"))
+    second = resolve_model(str(tiny_folder), cache_dir=str(tmp_path / "cache"))
+    assert first.path == tiny_folder
+    assert first.fingerprint == second.fingerprint
+    assert len(first.fingerprint) == 64
+    assert (tiny_folder / ".kvchat_fingerprint.json").is_file()
+    runner = ModelRunner(first, num_blocks=4, block_size=4, device="cpu", dtype="float32")
+    assert runner.fingerprint == first.fingerprint
+    assert runner.forward([BatchItem([1, 2, 3], 0, [2], True)]).shape == (1, TINY["vocab_size"])
+
+
+def test_fingerprint_changes_when_weights_change(tiny_folder: Path) -> None:
+    before = fingerprint(tiny_folder)
+    weights = tiny_folder / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1.0
+    time.sleep(0.01)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert fingerprint(tiny_folder) != before
+
+
+def test_stale_fingerprint_cache_is_not_trusted(tiny_folder: Path) -> None:
+    real = fingerprint(tiny_folder)
+    cache = tiny_folder / ".kvchat_fingerprint.json"
+    data = json.loads(cache.read_text())
+    data["fingerprint"] = "0" * 64
+    data["files"]["model.safetensors"][0] += 1  # a different size: the entry no longer describes the file
+    cache.write_text(json.dumps(data))
+    assert fingerprint(tiny_folder) == real
+
+
+def test_nonexistent_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"model path .*nope.* does not exist"):
+        resolve_model(str(tmp_path / "nope"), cache_dir=str(tmp_path))
+
+
+def test_corrupt_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(os.urandom(4096))
+    with pytest.raises(ModelLoadError, match=r"x\.gguf"):
+        resolve_model(str(bad), cache_dir=str(tmp_path / "cache"))
+
+
+def test_truncated_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "t.gguf"
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + b"\x05\x00")  # valid magic + version, then nothing
+    with pytest.raises(ModelLoadError, match=r"t\.gguf"):
+        resolve_model(str(bad), cache_dir=str(tmp_path / "cache"))
+    assert not any((tmp_path / "cache" / "models").iterdir())  # no half-written cache left behind
+
+
+def test_truncated_safetensors(tiny_folder: Path, tmp_path: Path) -> None:
+    weights = tiny_folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
+        resolve_model(str(tiny_folder), cache_dir=str(tmp_path / "cache"))
+
+
+def test_unsupported_architecture(tiny_folder: Path, tmp_path: Path) -> None:
+    config_file = tiny_folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config["model_type"] = "gpt2"
+    config["architectures"] = ["GPT2LMHeadModel"]
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"unsupported model architecture.*gpt2"):
+        resolve_model(str(tiny_folder), cache_dir=str(tmp_path / "cache"))
+
+
+def test_unknown_architectures_entry_is_rejected() -> None:
+    with pytest.raises(ModelLoadError, match=r"unsupported model architecture \['LlamaForSequenceClassification'\]"):
+        ModelSpec.from_hf_config({**TINY, "model_type": "llama", "architectures": ["LlamaForSequenceClassification"]})
+
+
+def test_unsupported_rope_type() -> None:
+    with pytest.raises(ModelLoadError, match=r"unsupported rope_type 'yarn'"):
+        ModelSpec.from_hf_config({**TINY, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+
+
+def test_mistral_sliding_window_caps_context() -> None:
+    spec = ModelSpec.from_hf_config(
+        {**TINY, "model_type": "mistral", "max_position_embeddings": 32768, "sliding_window": 4096}
+    )
+    assert spec.max_model_len == 4096
+
+
+def test_folder_without_weights(tiny_folder: Path, tmp_path: Path) -> None:
+    (tiny_folder / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
+        resolve_model(str(tiny_folder), cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return os.environ.get("KVCHAT_CACHE_DIR") or str(tmp_path_factory.mktemp("kvchat_cache"))
+
+
+@pytest.mark.slow
+def test_smollm2_converts_once_and_matches_hf(smollm2_cache: str) -> None:
+    first = resolve_model(DEFAULT_MODEL, cache_dir=smollm2_cache)
+    started = time.monotonic()
+    second = resolve_model(DEFAULT_MODEL, cache_dir=smollm2_cache)
+    assert time.monotonic() - started < 2.0
+    assert second == first
+    assert (first.path / "tokenizer.json").is_file()
+
+    runner = ModelRunner(first, num_blocks=16, block_size=16, device="cpu", dtype="float32")
+    assert runner.vocab_size == 49152
+    assert runner.eos_token_ids == (2,)
+    ids = [1, 31530, 28, 957, 1462, 314, 216, 34, 2]  # any short prompt
+    hf = AutoModelForCausalLM.from_pretrained(first.path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    prefill = runner.forward([BatchItem(ids[:-1], 0, [7, 3], True)])
+    decode = runner.forward([BatchItem(ids[-1:], len(ids) - 1, [7, 3], True)])
+    assert (prefill[0] - ref[-2]).abs().max().item() <= 1e-4
+    assert (decode[0] - ref[-1]).abs().max().item() <= 1e-4

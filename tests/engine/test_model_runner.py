@@ -1,0 +1,110 @@
+"""ModelRunner bookkeeping: sizes, budgets, input checks, block copy, dtype resolution (tiny random Qwen2, fp32)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from engine.device import cpu_flags, resolve_dtype
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.model.spec import ModelSpec
+from engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_token, num_blocks_for_budget
+
+CONFIG = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 40,
+    "eos_token_id": 5,
+}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen2")
+    Qwen2ForCausalLM(Qwen2Config(**CONFIG)).save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5]}))
+    return path
+
+
+@pytest.fixture
+def runner(folder: Path) -> ModelRunner:
+    return ModelRunner(folder, num_blocks=8, block_size=4, device="cpu", dtype="float32")
+
+
+def test_sizes(runner: ModelRunner) -> None:
+    assert runner.vocab_size == 64
+    assert runner.max_model_len == 40
+    assert runner.eos_token_ids == (5, 7)
+    assert runner.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4  # layers * (k, v) * kv_heads * head_dim * fp32
+    assert runner.kv_pool.shape == (2, 2, 8, 4, 2, 8)
+
+
+def test_num_blocks_for_budget() -> None:
+    spec = ModelSpec.from_hf_config({**CONFIG, "model_type": "qwen2"})
+    per_block = kv_bytes_per_token(spec, torch.bfloat16) * 16
+    assert num_blocks_for_budget(spec, 1, 16, torch.bfloat16) == (1 << 20) // per_block
+    big = ModelSpec.from_hf_config({**CONFIG, "model_type": "qwen2", "num_hidden_layers": 4096})
+    with pytest.raises(InvalidRequestError, match="holds no KV block"):
+        num_blocks_for_budget(big, 1, 1024, torch.float32)
+
+
+def test_empty_batch(runner: ModelRunner) -> None:
+    assert runner.forward([]).shape == (0, 64)
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        (BatchItem([], 0, [0], True), "needs >= 1 token"),
+        (BatchItem([1] * 5, 0, [0], True), "cannot hold 5 tokens"),
+        (BatchItem([64], 0, [0], True), "token id out of range"),
+        (BatchItem([1], 0, [8], True), "block id out of range"),
+        (BatchItem([1], 40, [0] * 11, True), "beyond max_model_len=40"),
+    ],
+)
+def test_bad_items_are_rejected(runner: ModelRunner, item: BatchItem, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        runner.forward([item])
+
+
+def test_blocks_can_be_moved_and_restored(runner: ModelRunner) -> None:
+    ids = [3, 1, 4, 1, 5, 9]
+    runner.forward([BatchItem(ids[:-1], 0, [2, 6], False)])
+    expected = runner.forward([BatchItem(ids[-1:], 5, [2, 6], True)])
+    saved = runner.read_blocks([2, 6])
+    runner.kv_pool.fill_(0.5)  # another sequence overwrote them
+    runner.write_blocks([0, 1], saved)  # restored into different physical blocks
+    assert torch.equal(runner.forward([BatchItem(ids[-1:], 5, [0, 1], True)]), expected)
+
+
+def test_only_rows_that_need_logits(runner: ModelRunner) -> None:
+    out = runner.forward([BatchItem([1, 2], 0, [0], False), BatchItem([3], 0, [1], True)])
+    assert out.shape == (1, 64)
+    assert out.dtype == torch.float32
+
+
+def test_dtype_resolution() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_dtype("float32", cpu) == torch.float32
+    bf16_cpu = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if bf16_cpu else torch.float32)
+    with pytest.raises(ModelLoadError, match="unsupported dtype"):
+        resolve_dtype("int4", cpu)
+
+
+def test_bf16_runner_is_close_to_fp32(folder: Path) -> None:
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        r = ModelRunner(folder, num_blocks=8, block_size=4, device="cpu", dtype=dtype)
+        out[dtype] = r.forward([BatchItem(ids, 0, [5, 1], True)])
+    assert (out["float32"] - out["bfloat16"]).abs().max().item() < 0.1
