@@ -24,11 +24,30 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from backend.db import migrate
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.testing import build_tiny_model
 
 
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), suppress_eos=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir: Path) -> Iterator[LLMEngine]:
+    """One engine for the whole session (its step loop runs in its own thread, independent of event loops)."""
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", max_kv_memory_mb=8, max_num_seqs=8)
+    )
+    asyncio.run(engine.start())
+    yield engine
+    asyncio.run(engine.stop())
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,505 @@
+"""The engine's async facade: a background step loop plus ``generate`` / ``abort`` / ``stats``.
+
+Threading model. One step-loop thread owns the model: it schedules, runs the forward pass (torch releases the GIL),
+samples and detokenizes. Callers live on an asyncio loop; ``generate`` registers a request under ``_lock`` (so
+``EngineBusy`` is raised to the caller synchronously) and receives its events through an ``asyncio.Queue`` fed with
+``call_soon_threadsafe``. Aborts are queued and applied by the step thread between steps.
+
+NOTE: applying aborts between steps (never during one) is what makes them safe: the forward pass writes K/V into the
+blocks of every scheduled sequence, and those blocks must not return to the free queue — or be reallocated — while
+it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+from engine.errors import (
+    EmptyPromptError,
+    EngineError,
+    EngineStopped,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from engine.kv.block_hash import BlockHash, root_hash
+from engine.kv.kv_cache_manager import KVCacheManager, KVCacheUsage
+from engine.kv.session_index import SessionIndex
+from engine.outputs import FinishReason, GenerationEvent, RequestFinished, RequestStats, TokenDelta
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import Sequence as Seq
+from engine.sequence import SequenceStatus
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+    from engine.sampler import Sampler, SamplerState
+    from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("kvchat.engine")
+
+_MAX_RELEASED_SESSIONS = 100_000
+
+ChatMessages = Sequence[dict[str, str]]
+Prompt = ChatMessages | Sequence[int] | str
+Sink = Callable[[GenerationEvent | EngineError], None]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """Values derived at load time (never written back into ``EngineConfig``)."""
+
+    model_path: str
+    fingerprint: str
+    architecture: str
+    device: str
+    dtype: str
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv: KVCacheUsage
+    requests_finished: int
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    steps: int
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Seq
+    sampler_state: SamplerState
+    detok: IncrementalDetokenizer
+    sink: Sink
+    session: str | None = None
+    first_token_time: float | None = None
+    pieces: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Counters:
+    finished: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+
+
+class LLMEngine:
+    """Load once, ``await start()``, then ``generate`` from any number of coroutines."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self._info: EngineInfo | None = None
+        self._runner: ModelRunner | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._sampler: Sampler | None = None
+        self._kv: KVCacheManager | None = None
+        self._scheduler: Scheduler | None = None
+        self._requests: dict[str, _Request] = {}
+        self._pending_aborts: set[str] = set()
+        self._roots: dict[str, BlockHash] = {}
+        self._sessions = SessionIndex()
+        # NOTE: remembered (bounded) so a request that finishes after its session closed does not re-record it.
+        self._released_sessions: dict[str, None] = {}
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._counters = _Counters()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def load(self) -> EngineInfo:
+        """Resolve and load the model, size the KV pool (blocking; seconds)."""
+        if self._info is not None:
+            return self._info
+        from engine.model.loader import fingerprint as model_fingerprint
+        from engine.model_runner import ModelRunner
+        from engine.sampler import Sampler
+        from engine.tokenizer import Tokenizer
+
+        runner = ModelRunner.from_config(self.config)
+        self._runner = runner
+        self._tokenizer = Tokenizer(runner.model_path)
+        self._sampler = Sampler(runner.device)
+        self._kv = KVCacheManager(runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self._scheduler = Scheduler(SchedulerConfig.from_engine_config(self.config), self._kv)
+        max_len = min(runner.max_model_len, self.config.max_model_len or runner.max_model_len)
+        self._info = EngineInfo(
+            model_path=str(runner.model_path),
+            fingerprint=runner.fingerprint or model_fingerprint(runner.model_path),
+            architecture=runner.architecture,
+            device=str(runner.device),
+            dtype=str(runner.dtype).removeprefix("torch."),
+            num_blocks=runner.num_blocks,
+            block_size=self.config.block_size,
+            kv_bytes_per_token=runner.kv_bytes_per_token,
+            max_model_len=max_len,
+            vocab_size=runner.vocab_size,
+        )
+        log.info(
+            "engine loaded: %s (%s, %s on %s), %d KV blocks of %d tokens",
+            self._info.model_path,
+            self._info.architecture,
+            self._info.dtype,
+            self._info.device,
+            self._info.num_blocks,
+            self._info.block_size,
+        )
+        return self._info
+
+    async def start(self) -> EngineInfo:
+        info = await asyncio.to_thread(self.load)
+        if self._thread is None:
+            self._stopping.clear()
+            self._thread = threading.Thread(target=self._run_loop, name="kvchat-engine", daemon=True)
+            self._thread.start()
+        return info
+
+    async def stop(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stopping.set()
+        self._wakeup.set()
+        await asyncio.to_thread(thread.join)
+        with self._lock:
+            for request_id in list(self._requests):
+                self._finish_with_error(request_id, EngineStopped("the engine stopped"))
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineStopped("the engine is not loaded")
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise EngineStopped("the engine is not loaded")
+        return self._tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Chat messages → the model's chat template; a string → plain encoding; token ids pass through."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        items: list[object] = list(prompt)
+        if not items:
+            raise EmptyPromptError()
+        ids = [t for t in items if isinstance(t, int) and not isinstance(t, bool)]
+        if len(ids) == len(items):
+            bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})")
+            return ids
+        messages = [m for m in items if isinstance(m, dict)]
+        if len(messages) == len(items):
+            return self.tokenizer.apply_chat_template(messages)
+        raise InvalidRequestError("prompt must be chat messages, a string, or a list of token ids")
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        namespace: str = "default",
+        request_id: str | None = None,
+        session: str | None = None,
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        """Stream ``TokenDelta`` events, then one ``RequestFinished``. Closing the iterator early aborts the request.
+
+        Raises ``EngineBusy`` (admission), ``InvalidRequestError`` subclasses, ``EngineStopped``.
+        """
+        if not self.is_running:
+            raise EngineStopped("the engine is not running")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[GenerationEvent | EngineError] = asyncio.Queue()
+
+        def sink(event: GenerationEvent | EngineError) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        rid = self.submit(prompt, params or SamplingParams(), namespace, sink, request_id, session)
+        done = False
+        try:
+            while True:
+                event = await queue.get()
+                if isinstance(event, EngineError):
+                    done = True
+                    raise event
+                yield event
+                if isinstance(event, RequestFinished):
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.abort(rid)
+
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        namespace: str,
+        sink: Sink,
+        request_id: str | None = None,
+        session: str | None = None,
+    ) -> str:
+        """Register a request whose events go to ``sink`` (called from the step thread). Returns its id.
+
+        ``session`` (optional) names the conversation the request belongs to, so ``release_session`` can later free
+        the blocks only that conversation uses.
+        """
+        from engine.tokenizer import IncrementalDetokenizer
+
+        token_ids = self.tokenize(prompt)
+        self._check_fits(len(token_ids), params.max_tokens)
+        rid = request_id or uuid.uuid4().hex
+        seq = Seq(rid, token_ids, params, self._root(namespace))
+        assert self._sampler is not None and self._scheduler is not None
+        state = self._sampler.new_state(params, self._tokenizer.eos_token_ids if self._tokenizer else ())
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        with self._lock:
+            if rid in self._requests:
+                raise InvalidRequestError(f"request id {rid!r} is already in flight")
+            self._scheduler.add(seq)
+            self._requests[rid] = _Request(seq, state, detok, sink, session)
+        self._wakeup.set()
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; its blocks are released before the next step."""
+        with self._lock:
+            if request_id in self._requests:
+                self._pending_aborts.add(request_id)
+        self._wakeup.set()
+
+    def release_session(self, session: str) -> int:
+        """Free the cached blocks that only ``session`` used (never shared or in-use ones). Returns blocks freed."""
+        assert self._kv is not None
+        with self._lock:
+            self._released_sessions[session] = None
+            if len(self._released_sessions) > _MAX_RELEASED_SESSIONS:
+                del self._released_sessions[next(iter(self._released_sessions))]
+            return self._kv.evict_cached(self._sessions.release(session))
+
+    def stats(self) -> EngineStats:
+        if self._scheduler is None or self._kv is None:
+            raise EngineStopped("the engine is not loaded")
+        with self._lock:
+            c = self._counters
+            return EngineStats(
+                running=self._scheduler.num_running,
+                waiting=self._scheduler.num_waiting,
+                kv=self._kv.usage(),
+                requests_finished=c.finished,
+                prompt_tokens=c.prompt_tokens,
+                cached_tokens=c.cached_tokens,
+                generated_tokens=c.generated_tokens,
+                steps=c.steps,
+            )
+
+    # ------------------------------------------------------------------ synchronous driving (tests, benchmarks)
+
+    def run_until_idle(self) -> None:
+        """Drive steps on the calling thread until no work is left (only when the loop thread is not running)."""
+        if self.is_running:
+            raise InvalidRequestError("run_until_idle() cannot be used while the step loop runs")
+        while self._step():
+            pass
+
+    def generate_sync(
+        self, prompts: Sequence[Prompt], params: SamplingParams, namespace: str = "default"
+    ) -> list[RequestFinished]:
+        """Submit all prompts at once, run them in one continuous batch, return their results in order."""
+        self.load()
+        results: dict[str, RequestFinished] = {}
+        errors: list[EngineError] = []
+
+        def sink(event: GenerationEvent | EngineError) -> None:
+            if isinstance(event, RequestFinished):
+                results[event.request_id] = event
+            elif isinstance(event, EngineError):
+                errors.append(event)
+
+        ids = [self.submit(p, params, namespace, sink) for p in prompts]
+        self.run_until_idle()
+        if errors:
+            raise errors[0]
+        return [results[i] for i in ids]
+
+    # ------------------------------------------------------------------ the step loop
+
+    def _run_loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wakeup.clear()
+            try:
+                worked = self._step()
+            except Exception:
+                log.exception("engine step failed; failing the requests in flight")
+                with self._lock:
+                    for rid in list(self._requests):
+                        self._finish_with_error(rid, EngineError("internal engine error (see the server log)"))
+                worked = True
+            if not worked:
+                self._wakeup.wait(0.1)
+
+    def _step(self) -> bool:
+        assert self._scheduler is not None and self._runner is not None and self._sampler is not None
+        with self._lock:
+            self._apply_aborts()
+            out = self._scheduler.schedule()
+            for seq in out.rejected:
+                self._finish_with_error(
+                    seq.request_id,
+                    PromptTooLongError(
+                        seq.num_tokens,
+                        seq.params.max_tokens,
+                        self.info.num_blocks * self.info.block_size,
+                        "KV cache pool",
+                    ),
+                )
+        if out.is_empty:
+            return False
+        logits = self._runner.forward(_batch_items(out))
+        sampled = [s.seq for s in out.scheduled if s.need_logits]
+        tokens = self._sampler.sample(logits, [self._requests[s.request_id].sampler_state for s in sampled])
+        now = time.monotonic()
+        with self._lock:
+            self._scheduler.update_after_step(out)
+            self._counters.steps += 1
+            for seq, token in zip(sampled, tokens, strict=True):
+                self._on_token(seq, token, now)
+        return True
+
+    def _on_token(self, seq: Seq, token: int, now: float) -> None:
+        req = self._requests[seq.request_id]
+        seq.append_token(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        reason: FinishReason | None = None
+        text = ""
+        if req.sampler_state.is_stop_token(token):
+            reason = FinishReason.STOP  # NOTE: the stop token's own text is never emitted
+        else:
+            text = req.detok.push(token)
+            if req.detok.stopped:
+                reason = FinishReason.STOP
+            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.info.max_model_len:
+                reason = FinishReason.LENGTH
+        if text or reason is None:
+            req.pieces.append(text)
+            req.sink(TokenDelta(seq.request_id, (token,), text))
+        if reason is not None:
+            self._finish(req, reason, now)
+
+    def _finish(self, req: _Request, reason: FinishReason, now: float) -> None:
+        seq = req.seq
+        tail = req.detok.flush() if reason is not FinishReason.ABORTED else ""
+        if tail:
+            req.pieces.append(tail)
+            req.sink(TokenDelta(seq.request_id, (), tail))
+        status = {
+            FinishReason.STOP: SequenceStatus.FINISHED_STOPPED,
+            FinishReason.LENGTH: SequenceStatus.FINISHED_LENGTH,
+            FinishReason.ABORTED: SequenceStatus.FINISHED_ABORTED,
+        }[reason]
+        assert self._scheduler is not None
+        if req.session is not None and req.session not in self._released_sessions:
+            assert self._kv is not None
+            # NOTE: recorded before the blocks are freed, while every computed block is still cached.
+            self._sessions.record(req.session, self._kv.cached_chain(seq.root, seq.all_token_ids))
+        if not seq.is_finished:
+            self._scheduler.finish(seq, status)
+        del self._requests[seq.request_id]
+        self._pending_aborts.discard(seq.request_id)
+        stats = _request_stats(seq, req.first_token_time, now)
+        c = self._counters
+        c.finished += 1
+        c.prompt_tokens += stats.prompt_tokens
+        c.cached_tokens += stats.cached_tokens
+        c.generated_tokens += stats.completion_tokens
+        req.sink(RequestFinished(seq.request_id, reason, "".join(req.pieces), tuple(seq.output_token_ids), stats))
+
+    def _apply_aborts(self) -> None:
+        assert self._scheduler is not None
+        now = time.monotonic()
+        for rid in list(self._pending_aborts):
+            req = self._requests.get(rid)
+            if req is not None:
+                self._scheduler.abort(rid)
+                self._finish(req, FinishReason.ABORTED, now)
+        self._pending_aborts.clear()
+
+    def _finish_with_error(self, request_id: str, error: EngineError) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        assert self._scheduler is not None
+        if not req.seq.is_finished:
+            self._scheduler.abort(request_id)
+        req.sink(error)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _root(self, namespace: str) -> BlockHash:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = root_hash(self.info.fingerprint, namespace)
+        return root
+
+    def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens == 0:
+            raise EmptyPromptError()
+        info = self.info
+        if prompt_tokens + max_tokens > info.max_model_len:
+            raise PromptTooLongError(prompt_tokens, max_tokens, info.max_model_len)
+        pool_tokens = info.num_blocks * info.block_size
+        if prompt_tokens + max_tokens > pool_tokens:
+            raise PromptTooLongError(prompt_tokens, max_tokens, pool_tokens, "KV cache pool")
+
+
+def _batch_items(out: SchedulerOutput) -> list[BatchItemT]:
+    from engine.model_runner import BatchItem
+
+    return [BatchItem(s.token_ids, s.start_pos, s.block_table, s.need_logits) for s in out.scheduled]
+
+
+def _request_stats(seq: Seq, first_token_time: float | None, now: float) -> RequestStats:
+    ttft = (first_token_time - seq.arrival_time) if first_token_time is not None else 0.0
+    decode_s = (now - first_token_time) if first_token_time is not None else 0.0
+    n = seq.num_output_tokens
+    queue_s = (seq.first_scheduled_time - seq.arrival_time) if seq.first_scheduled_time is not None else 0.0
+    return RequestStats(
+        prompt_tokens=seq.num_prompt_tokens,
+        cached_tokens=seq.num_cached_tokens,
+        prefilled_tokens=seq.num_prefilled_tokens,
+        completion_tokens=n,
+        ttft_s=ttft,
+        decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+        queue_s=queue_s,
+        num_preemptions=seq.num_preemptions,
+    )
+
+
+if TYPE_CHECKING:
+    from engine.model_runner import BatchItem as BatchItemT

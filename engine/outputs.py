@@ -1,0 +1,43 @@
+"""What ``LLMEngine.generate`` yields: token deltas, then one final event with the request's stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model context
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache (at first admission)
+    prefilled_tokens: int  # prompt tokens computed (recomputation after preemption included)
+    completion_tokens: int
+    ttft_s: float  # arrival → first token
+    decode_tokens_per_s: float  # (completion_tokens - 1) / (finish - first token); 0 for a single token
+    queue_s: float  # arrival → first scheduled
+    num_preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished:
+    request_id: str
+    finish_reason: FinishReason
+    text: str  # the whole completion text (deltas concatenated)
+    token_ids: tuple[int, ...]
+    stats: RequestStats
+
+
+GenerationEvent = TokenDelta | RequestFinished
