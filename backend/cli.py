@@ -18,7 +18,7 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or settings.host
     port = args.port or settings.port
     settings = settings.model_copy(update={"host": host, "port": port})
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=settings.log_level, ws="websockets")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=settings.log_level, ws="websockets-sansio")
     return 0
 
 

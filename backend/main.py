@@ -1,26 +1,32 @@
-"""FastAPI app factory. The lifespan owns the database engine (and, once wired, the inference engine)."""
+"""FastAPI app factory. The lifespan owns the database engine, the inference engine and the chat service."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 
 from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 
-from backend.api.routes import health
+from backend.api.routes import admin_sessions, chat_ws, health
+from backend.chat.hub import SessionHub
+from backend.chat.service import ChatService, ReplyConfig
 from backend.core.config import Settings
 from backend.core.state import AppState
 from backend.db import migrate
 from backend.db.engine import create_db_engine, create_sessionmaker
 from backend.services.tenants import BootstrapResult, bootstrap_default_tenant
+from engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvchat")
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, engine: LLMEngine | None = None) -> FastAPI:
+    """Build the app. Pass ``engine`` to share an already-built engine (the caller then owns its lifetime)."""
     settings = settings or Settings()
 
     @asynccontextmanager
@@ -33,22 +39,53 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         sessionmaker = create_sessionmaker(db_engine)
         boot = await bootstrap_default_tenant(sessionmaker, settings.bootstrap_chat_token, settings.bootstrap_admin_key)
         _announce_keys(boot)
-        app.state.kvchat = AppState(settings=settings, db_engine=db_engine, sessionmaker=sessionmaker)
+        own_engine = engine is None
+        llm = engine or LLMEngine(settings.engine_config())
+        if not llm.is_running:
+            log.info("loading model %s (the first start converts it once)…", settings.model)
+            await llm.start()
+        reply = ReplyConfig(settings.reply_max_tokens, settings.reply_temperature, settings.reply_top_p)
+        chat = ChatService(sessionmaker, llm, SessionHub(), reply)
+        app.state.kvchat = AppState(settings, db_engine, sessionmaker, llm, chat)
+        sweeper = asyncio.create_task(_sweep_idle_sessions(chat, settings.session_timeout_seconds))
         base = f"http://{settings.host}:{settings.port}"
-        log.info("kvchat ready: API docs %s/docs, health %s/livez", base, base)
+        log.info(
+            "kvchat ready: chat websocket ws://%s:%s/ws/chat, API docs %s/docs", settings.host, settings.port, base
+        )
         try:
             yield
         finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            await chat.shutdown()
+            if own_engine:
+                await llm.stop()
             await db_engine.dispose()
 
     app = FastAPI(title="kvchat", version="0.1.0", lifespan=lifespan)
     app.include_router(health.router)
+    app.include_router(chat_ws.router)
+    app.include_router(admin_sessions.router)
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:
         return RedirectResponse("/docs")
 
     return app
+
+
+async def _sweep_idle_sessions(chat: ChatService, timeout_s: int) -> None:
+    interval = max(1.0, min(60.0, timeout_s / 4))
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            closed = await chat.close_idle(timedelta(seconds=timeout_s))
+        except Exception:
+            log.exception("closing idle sessions failed; retrying in %.0fs", interval)
+            continue
+        if closed:
+            log.info("closed %d idle session(s)", len(closed))
 
 
 def _announce_keys(boot: BootstrapResult) -> None:

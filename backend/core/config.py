@@ -10,6 +10,8 @@ from typing import Self
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.config import EngineConfig
+
 DEV_SECRET = "dev-insecure-secret-change-me"
 
 
@@ -32,6 +34,26 @@ class Settings(BaseSettings):
     secret_key: str = DEV_SECRET
     log_level: str = "info"
     run_migrations_on_start: bool = True
+    # Engine (in-process)
+    model: str = "smollm2"  # "smollm2", a safetensors folder or a .gguf file
+    engine_device: str = "auto"
+    engine_dtype: str = "auto"
+    max_kv_memory_mb: int = Field(default=512, ge=1)
+    max_num_seqs: int = Field(default=32, ge=1)
+    max_num_batched_tokens: int = Field(default=1024, ge=1)
+    max_waiting: int = Field(default=256, ge=0)
+    model_cache_dir: str | None = None
+    # Replies
+    reply_max_tokens: int = Field(default=256, ge=1)
+    reply_temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    reply_top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # Chat sessions and websocket limits
+    session_timeout_seconds: int = Field(default=3600, ge=1)
+    ws_max_message_bytes: int = Field(default=64 * 1024, ge=1024)
+    ws_rate_per_second: float = Field(default=5.0, gt=0)
+    ws_rate_burst: int = Field(default=10, ge=1)
+    max_connections_per_tenant: int = Field(default=200, ge=1)
+    allowed_origins: list[str] = ["*"]
     # First start: the default tenant's keys. Unset → generated and printed once.
     bootstrap_chat_token: str | None = None
     bootstrap_admin_key: str | None = None
@@ -42,6 +64,18 @@ class Settings(BaseSettings):
         if self.env == Environment.PRODUCTION and self.secret_key == DEV_SECRET:
             raise ValueError("KVCHAT_SECRET_KEY must be set to a non-default value when KVCHAT_ENV=production")
         return self
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            device=self.engine_device,
+            dtype=self.engine_dtype,
+            max_kv_memory_mb=self.max_kv_memory_mb,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_waiting=self.max_waiting,
+            cache_dir=self.model_cache_dir,
+        )
 
     @cached_property
     def resolved_database_url(self) -> str:

@@ -1,4 +1,4 @@
-"""What the app's lifespan owns: settings, the database engine, (later) the inference engine."""
+"""What the app's lifespan owns: settings, the database engine, the inference engine, the chat service."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from backend.chat.service import ChatService
 from backend.core.config import Settings
+from engine.llm_engine import LLMEngine
 
 
 @dataclass(slots=True)
@@ -14,3 +16,5 @@ class AppState:
     settings: Settings
     db_engine: AsyncEngine
     sessionmaker: async_sessionmaker[AsyncSession]
+    engine: LLMEngine
+    chat: ChatService

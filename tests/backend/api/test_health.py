@@ -9,39 +9,40 @@ import pytest
 
 from backend.core.config import Settings
 from backend.main import create_app
+from engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.anyio
 
 
-async def _get(settings: Settings, path: str) -> httpx.Response:
-    app = create_app(settings)
+async def _get(settings: Settings, path: str, engine: LLMEngine) -> httpx.Response:
+    app = create_app(settings, engine=engine)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             return await client.get(path)
 
 
-async def test_livez_is_ok(tmp_path: Path) -> None:
-    resp = await _get(Settings(data_dir=tmp_path), "/livez")
+async def test_livez_is_ok(tmp_path: Path, tiny_engine: LLMEngine) -> None:
+    resp = await _get(Settings(data_dir=tmp_path), "/livez", tiny_engine)
     assert resp.status_code == 200
     assert resp.json() == {"status": "ok"}
 
 
-async def test_readyz_reports_database_ok_on_sqlite(tmp_path: Path) -> None:
-    resp = await _get(Settings(data_dir=tmp_path), "/readyz")
+async def test_readyz_reports_database_ok_on_sqlite(tmp_path: Path, tiny_engine: LLMEngine) -> None:
+    resp = await _get(Settings(data_dir=tmp_path), "/readyz", tiny_engine)
     assert resp.status_code == 200
     assert resp.json() == {"status": "ok", "database": "ok"}
     assert (tmp_path / "kvchat.db").exists()
 
 
 @pytest.mark.postgres
-async def test_readyz_on_postgres(pg_empty_url: str, tmp_path: Path) -> None:
-    resp = await _get(Settings(data_dir=tmp_path, database_url=pg_empty_url), "/readyz")
+async def test_readyz_on_postgres(pg_empty_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> None:
+    resp = await _get(Settings(data_dir=tmp_path, database_url=pg_empty_url), "/readyz", tiny_engine)
     assert resp.status_code == 200
     assert resp.json()["database"] == "ok"
 
 
-async def test_openapi_docs_are_served(tmp_path: Path) -> None:
-    resp = await _get(Settings(data_dir=tmp_path), "/openapi.json")
+async def test_openapi_docs_are_served(tmp_path: Path, tiny_engine: LLMEngine) -> None:
+    resp = await _get(Settings(data_dir=tmp_path), "/openapi.json", tiny_engine)
     assert resp.status_code == 200
     assert "/livez" in resp.json()["paths"]

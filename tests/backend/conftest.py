@@ -1,0 +1,21 @@
+"""Backend fixtures: a real uvicorn server on a free port, serving the app with the tiny-model engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.llm_engine import LLMEngine
+from support.server import LiveServer, server_settings, start_server, stop_server
+
+
+@pytest.fixture
+def live_server(db_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveServer]:
+    """A real server (uvicorn + websockets) on SQLite and on Postgres, each with a fresh database."""
+    live = start_server(server_settings(db_url, tmp_path), tiny_engine)
+    try:
+        yield live
+    finally:
+        stop_server(live)
