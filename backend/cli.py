@@ -38,6 +38,12 @@ def _generate(args: argparse.Namespace) -> int:
     return generate_command(args)
 
 
+def _chat(args: argparse.Namespace) -> int:
+    from backend.chat import client
+
+    return client.main(args)
+
+
 def _redact(url: str) -> str:
     from sqlalchemy.engine import make_url
 
@@ -59,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream one completion from the engine to the terminal")
     add_generate_arguments(gen)
     gen.set_defaults(func=_generate)
+    from backend.chat.client import add_arguments as add_chat_arguments
+
+    chat = sub.add_parser("chat", help="talk to a running kvchat server from the terminal")
+    add_chat_arguments(chat)
+    chat.set_defaults(func=_chat)
     return parser
 
 

@@ -12,7 +12,7 @@ from datetime import timedelta
 from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 
-from backend.api.routes import admin_sessions, chat_ws, health
+from backend.api.routes import admin_sessions, chat_ws, health, openai_api
 from backend.chat.hub import SessionHub
 from backend.chat.service import ChatService, ReplyConfig
 from backend.core.config import Settings
@@ -67,6 +67,7 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
     app.include_router(health.router)
     app.include_router(chat_ws.router)
     app.include_router(admin_sessions.router)
+    app.include_router(openai_api.router)
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

@@ -165,11 +165,13 @@ class ChatService:
             return
         if (session_id, frame.client_msg_id) in self._turns:
             return  # attached: this socket already receives the session's deltas
-        status = SessionStatus(session.status)
-        if not duplicate:
-            status = await self._after_customer_message(session_id, status, frame.text)
+        before = SessionStatus(session.status)
+        status = before if duplicate else await self._after_customer_message(session_id, before, frame.text)
         if status == SessionStatus.BOT_ACTIVE:
             self._start_turn(Turn(session_id, tenant.id, tenant.system_prompt, frame.client_msg_id, message.seq))
+        elif status == before:
+            # NOTE: tell the sender no bot reply is coming (a status change was already published to everyone).
+            reply_to(SessionStatusFrame(session_id=session_id, status=status.value))
 
     async def _after_customer_message(self, session_id: str, status: SessionStatus, text: str) -> SessionStatus:
         if status == SessionStatus.RESOLVED:

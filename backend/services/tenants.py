@@ -55,6 +55,14 @@ async def _ensure_key(
     return key
 
 
+async def create_tenant(db: AsyncSession, name: str, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> Tenant:
+    """Add a tenant (flushed, so its id is set; the caller commits). Give it keys with ``add_key``."""
+    tenant = Tenant(name=name, system_prompt=system_prompt)
+    db.add(tenant)
+    await db.flush()
+    return tenant
+
+
 async def add_key(db: AsyncSession, tenant_id: str, kind: KeyKind, key: str) -> None:
     digest = hash_key(key)
     existing = (await db.execute(select(ApiKey).where(ApiKey.key_hash == digest))).scalar_one_or_none()

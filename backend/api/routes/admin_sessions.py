@@ -78,10 +78,10 @@ async def change_status(
     session_id: str, body: StatusChange, tenant: AdminDep, db: DbDep, state: StateDep
 ) -> SessionOut:
     """Set a session's status (e.g. ``resolved``, ``closed``); closing releases the session's engine cache."""
-    await _session(db, tenant.id, session_id)
+    session = await _session(db, tenant.id, session_id)
     await state.chat.set_status(session_id, body.status)
-    db.expire_all()
-    return SessionOut.of(await _session(db, tenant.id, session_id))
+    await db.refresh(session)
+    return SessionOut.of(session)
 
 
 @router.delete("/{session_id}", status_code=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,56 @@
+"""OpenAI-compatible API: ``POST /v1/chat/completions`` (streaming or not) and ``GET /v1/models``.
+
+Auth: ``Authorization: Bearer <key>`` where the key is a tenant's chat token; the tenant picks the cache namespace.
+Errors come back in OpenAI's shape (see ``backend.openai.errors``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from backend.api.deps import StateDep, bearer_token
+from backend.db.models import KeyKind, Tenant
+from backend.openai import service
+from backend.openai.errors import OpenAIRoute, unauthorized
+from backend.openai.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse, ModelCard, ModelList
+from backend.services.tenants import authenticate
+
+_ERRORS: dict[int | str, dict[str, object]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute, responses=_ERRORS)
+
+
+async def _chat_tenant(request: Request, state: StateDep) -> Tenant:
+    # NOTE: its own short DB session, not DbDep: a streamed reply must not hold a pooled connection while it runs.
+    async with state.sessionmaker() as db:
+        tenant = await authenticate(db, bearer_token(request), KeyKind.CHAT)
+    if tenant is None:
+        raise unauthorized()
+    return tenant
+
+
+ChatTenantDep = Annotated[Tenant, Depends(_chat_tenant)]
+
+
+@router.get("/models")
+async def list_models(_: ChatTenantDep, state: StateDep) -> ModelList:
+    return ModelList(data=[service.model_card(state.engine)])
+
+
+@router.get("/models/{model_id:path}")
+async def get_model(model_id: str, _: ChatTenantDep, state: StateDep) -> ModelCard:
+    service.check_model(state.engine, model_id)
+    return service.model_card(state.engine)
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, tenant: ChatTenantDep, state: StateDep, request: Request
+) -> ChatCompletion | StreamingResponse:
+    completions = service.ChatCompletions(state.engine)
+    pending, meta = completions.start(body, namespace=tenant.id)
+    if body.stream:
+        return completions.stream(pending, meta)
+    return await completions.complete(pending, meta, request.is_disconnected)

@@ -1,0 +1,168 @@
+"""Chat websocket limits and lifecycle: rate limit, connection cap, Origin, shutdown, idle timeout, resume mid-reply."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+from sqlalchemy import select
+from test_ws_chat import TIMEOUT, Chat
+
+from backend.db.models import Message
+from engine.llm_engine import LLMEngine
+from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session, server_settings, start_server, stop_server
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def make_server(tmp_path: Path, sqlite_url: str, tiny_engine: LLMEngine) -> Iterator[Any]:
+    started: list[LiveServer] = []
+
+    def make(**overrides: Any) -> LiveServer:
+        live = start_server(server_settings(sqlite_url, tmp_path, **overrides), tiny_engine)
+        started.append(live)
+        return live
+
+    yield make
+    for live in started:
+        stop_server(live)
+
+
+async def _closed_code(ws: Any) -> int:
+    """Read until the server closes the socket; return the close code it sent."""
+    code = None
+    try:
+        while True:
+            await asyncio.wait_for(ws.recv(), TIMEOUT)
+    except websockets.ConnectionClosed as closed:
+        code = closed.rcvd.code if closed.rcvd is not None else None
+    assert code is not None
+    return int(code)
+
+
+async def test_rate_limit_answers_with_an_error_and_keeps_the_socket(make_server: Any) -> None:
+    live = make_server(ws_rate_per_second=1.0, ws_rate_burst=2)
+    async with websockets.connect(live.ws) as ws:
+        chat = Chat(ws)
+        await chat.hello()
+        for _ in range(4):
+            await chat.send(type="ping")
+        frames = [await chat.recv() for _ in range(4)]
+    assert [f["type"] for f in frames[:2]] == ["pong", "pong"]
+    limited = [f for f in frames if f["type"] == "error"]
+    assert limited
+    assert limited[0]["code"] == "rate_limited"
+    assert limited[0]["retry_after_ms"] > 0
+
+
+async def test_connection_cap_per_tenant_closes_1013(make_server: Any) -> None:
+    live = make_server(max_connections_per_tenant=1)
+    async with websockets.connect(live.ws) as first:
+        await Chat(first).hello()
+        async with websockets.connect(live.ws) as second:
+            await second.send(json.dumps({"type": "hello", "token": CHAT_TOKEN}))
+            assert await _closed_code(second) == 1013
+    async with websockets.connect(live.ws) as third:  # the slot is free again
+        await Chat(third).hello()
+
+
+async def test_origin_allowlist(make_server: Any) -> None:
+    live = make_server(allowed_origins=["https://shop.example"])
+    async with websockets.connect(live.ws, origin="https://evil.example") as ws:  # type: ignore[arg-type]
+        assert await _closed_code(ws) == 1008
+    async with websockets.connect(live.ws, origin="https://shop.example") as ws:  # type: ignore[arg-type]
+        await Chat(ws).hello()
+
+
+async def test_server_shutdown_closes_sockets_with_1012(make_server: Any) -> None:
+    live = make_server()
+    async with websockets.connect(live.ws) as ws:
+        await Chat(ws).hello()
+        await asyncio.to_thread(stop_server, live)
+        assert await _closed_code(ws) == 1012
+
+
+async def test_idle_timeout_closes_the_session_and_refuses_new_messages(make_server: Any) -> None:
+    live = make_server(session_timeout_seconds=1)
+    async with websockets.connect(live.ws) as ws:
+        chat = Chat(ws)
+        session_id = (await chat.hello())["session_id"]
+        status = await chat.recv()  # the sweeper runs every second
+        assert status == {"type": "session.status", "session_id": session_id, "status": "closed"}
+        await chat.send(type="user.message", client_msg_id="late", text="are you there?")
+        err = await chat.recv()
+        assert (err["type"], err["code"], err["client_msg_id"]) == ("error", "session_closed", "late")
+
+
+async def test_resolved_session_reopens_on_a_customer_reply(make_server: Any) -> None:
+    live = make_server()
+    async with websockets.connect(live.ws) as ws:
+        chat = Chat(ws)
+        session_id = (await chat.hello())["session_id"]
+        async with httpx.AsyncClient(base_url=live.http, headers={"X-API-Key": ADMIN_KEY}) as http:
+            resp = await http.post(f"/admin/sessions/{session_id}/status", json={"status": "resolved"})
+        assert resp.status_code == 200
+        assert resp.json()["status"] == "resolved"
+        assert (await chat.recv())["status"] == "resolved"
+        frames, done = await chat.turn("again", "One more question")
+        assert {"type": "session.status", "session_id": session_id, "status": "bot_active"} in frames
+        assert done["status"] == "complete"
+
+
+async def test_reconnect_mid_reply_attaches_to_the_reply_in_flight(make_server: Any) -> None:
+    live = make_server(reply_max_tokens=300)
+    async with websockets.connect(live.ws) as ws:
+        chat = Chat(ws)
+        session_id = (await chat.hello())["session_id"]
+        await chat.send(type="user.message", client_msg_id="q", text="Explain the whole return policy")
+        assert (await chat.recv())["type"] == "message.ack"
+        assert (await chat.recv())["type"] == "message.delta"
+    async with websockets.connect(live.ws) as ws:  # the first socket dropped; the reply keeps going
+        chat = Chat(ws)
+        welcome = await chat.hello(session_id=session_id, last_seq=1)
+        assert welcome["in_flight"]["client_msg_id"] == "q"
+        await chat.send(type="user.message", client_msg_id="q", text="Explain the whole return policy")
+        frames = await chat.until("message.completed")
+    acks = [f for f in frames if f["type"] == "message.ack"]
+    assert acks == [{"type": "message.ack", "client_msg_id": "q", "seq": 1, "duplicate": True}]
+    done = frames[-1]
+    assert done["status"] == "complete"
+    assert done["text"].startswith(welcome["in_flight"]["text"])
+    async with db_session(live) as db:
+        rows = (await db.execute(select(Message).order_by(Message.seq))).scalars().all()
+    assert [(m.seq, m.role, m.status) for m in rows] == [(1, "user", "complete"), (2, "assistant", "complete")]
+
+
+def test_cli_chat_client_talks_to_the_server(make_server: Any) -> None:
+    live = make_server()
+    result = subprocess.run(
+        [sys.executable, "-m", "backend.cli", "chat", "--url", live.ws, "--token", CHAT_TOKEN],
+        input="Hello there\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "session " in result.stderr
+    assert "bot> " in result.stdout
+    assert "prompt tokens" in result.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "backend.cli", "chat", "--url", live.ws, "--token", "wrong"],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 1
+    assert "refused" in bad.stderr
