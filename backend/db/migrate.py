@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from alembic import command
@@ -20,6 +21,8 @@ def alembic_config(url: str) -> Config:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Upgrade the database at ``url``. Blocking (Alembic's env runs its own event loop): call via a thread."""
+    # NOTE: alembic announces each of its plugins at INFO on every start; only the migrations themselves matter.
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     command.upgrade(alembic_config(url), revision)
 
 
