@@ -61,8 +61,8 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _refuse_default_secrets(self) -> Self:
         # NOTE: a deployment that forgot to set its secret must fail loudly at start, not run with a public one.
-        if self.env == Environment.PRODUCTION and self.secret_key == DEV_SECRET:
-            raise ValueError("KVCHAT_SECRET_KEY must be set to a non-default value when KVCHAT_ENV=production")
+        if self.env != Environment.DEVELOPMENT and self.secret_key == DEV_SECRET:
+            raise ValueError(f"KVCHAT_SECRET_KEY must be set to a non-default value when KVCHAT_ENV={self.env.value}")
         return self
 
     def engine_config(self) -> EngineConfig:

@@ -17,6 +17,7 @@ from sqlalchemy import select
 from test_ws_chat import TIMEOUT, Chat
 
 from backend.db.models import Message
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session, server_settings, start_server, stop_server
 
@@ -166,3 +167,49 @@ def test_cli_chat_client_talks_to_the_server(make_server: Any) -> None:
     )
     assert bad.returncode == 1
     assert "refused" in bad.stderr
+
+
+async def test_engine_busy_is_an_error_frame_with_retry_after(
+    sqlite_url: str, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=1, max_waiting=1)
+    )
+    await engine.start()
+    live = await asyncio.to_thread(start_server, server_settings(sqlite_url, tmp_path, reply_max_tokens=200), engine)
+    try:
+        async with (
+            websockets.connect(live.ws) as w1,
+            websockets.connect(live.ws) as w2,
+            websockets.connect(live.ws) as w3,
+        ):
+            chats = [Chat(w1), Chat(w2), Chat(w3)]
+            for chat in chats:
+                await chat.hello()
+            for chat in chats:
+                await chat.send(type="user.message", client_msg_id="m", text="hello")
+            outcomes = []
+            for chat in chats:
+                frames = []
+                while not frames or frames[-1]["type"] not in ("message.completed", "error"):
+                    frames.append(await chat.recv())
+                outcomes.append(frames[-1])
+            busy = [f for f in outcomes if f["type"] == "error"]
+            assert busy, outcomes
+            assert {f["code"] for f in busy} == {"busy"}
+            assert all(f["retry_after_ms"] > 0 and f["client_msg_id"] == "m" for f in busy)
+            # the user message was kept: retrying the same client_msg_id later gets a reply, not a duplicate
+            retry = chats[outcomes.index(busy[0])]
+            frames = []
+            for _ in range(50):
+                await retry.send(type="user.message", client_msg_id="m", text="hello")
+                frames = await retry.until("message.ack")
+                nxt = await retry.recv()
+                if nxt["type"] != "error":
+                    break
+                await asyncio.sleep(nxt["retry_after_ms"] / 1000)
+            assert frames[-1]["duplicate"] is True
+    finally:
+        await asyncio.to_thread(stop_server, live)
+        await engine.stop()

@@ -38,6 +38,8 @@ def test_database_url_normalisation(given: str, expected: str) -> None:
 def test_production_refuses_default_secret() -> None:
     with pytest.raises(ValidationError, match="KVCHAT_SECRET_KEY must be set"):
         Settings(env=Environment.PRODUCTION)
+    with pytest.raises(ValidationError, match="KVCHAT_ENV=test"):
+        Settings(env=Environment.TEST)
     assert Settings(env=Environment.PRODUCTION, secret_key="s3cret").secret_key == "s3cret"
     assert Settings(env=Environment.DEVELOPMENT).secret_key == DEV_SECRET
 
