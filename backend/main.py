@@ -8,9 +8,10 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import RedirectResponse
+from fastapi.responses import FileResponse, RedirectResponse
 
 from backend.api.routes import admin_sessions, chat_ws, health, openai_api
 from backend.chat.hub import SessionHub
@@ -23,6 +24,7 @@ from backend.services.tenants import BootstrapResult, bootstrap_default_tenant
 from engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvchat")
+FRONTEND_DIR = Path(__file__).resolve().parents[1] / "frontend_stub"
 
 
 def create_app(settings: Settings | None = None, engine: LLMEngine | None = None) -> FastAPI:
@@ -49,9 +51,7 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
         app.state.kvchat = AppState(settings, db_engine, sessionmaker, llm, chat)
         sweeper = asyncio.create_task(_sweep_idle_sessions(chat, settings.session_timeout_seconds))
         base = f"http://{settings.host}:{settings.port}"
-        log.info(
-            "kvchat ready: chat websocket ws://%s:%s/ws/chat, API docs %s/docs", settings.host, settings.port, base
-        )
+        log.info("kvchat ready: chat page %s/chat (websocket /ws/chat), API docs %s/docs", base, base)
         try:
             yield
         finally:
@@ -71,7 +71,11 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:
-        return RedirectResponse("/docs")
+        return RedirectResponse("/chat")
+
+    @app.get("/chat", include_in_schema=False)
+    async def chat_page() -> FileResponse:
+        return FileResponse(FRONTEND_DIR / "chat.html", media_type="text/html")
 
     return app
 

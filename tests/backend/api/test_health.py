@@ -46,3 +46,13 @@ async def test_openapi_docs_are_served(tmp_path: Path, tiny_engine: LLMEngine) -
     resp = await _get(Settings(data_dir=tmp_path), "/openapi.json", tiny_engine)
     assert resp.status_code == 200
     assert "/livez" in resp.json()["paths"]
+
+
+async def test_chat_page_is_served_and_root_redirects_to_it(tmp_path: Path, tiny_engine: LLMEngine) -> None:
+    page = await _get(Settings(data_dir=tmp_path), "/chat", tiny_engine)
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert "/ws/chat" in page.text
+    root = await _get(Settings(data_dir=tmp_path), "/", tiny_engine)
+    assert root.status_code == 307
+    assert root.headers["location"] == "/chat"
