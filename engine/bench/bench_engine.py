@@ -1,0 +1,764 @@
+"""The engine's performance targets, each measured in one run against its peer (HF transformers or our own forward).
+
+Reproduce (standard set, ~minutes):   .venv/bin/python -m engine.bench.bench_engine
+Quick smoke run (tiny model, seconds): .venv/bin/python -m engine.bench.bench_engine --quick --model PATH
+One section:                          .venv/bin/python -m engine.bench.bench_engine followup [--repeats 10]
+
+Sections (all by default):
+  followup    follow-up turn TTFT: history cached + a few new tokens, through ``LLMEngine`` (submit → first token),
+              vs HF transformers reusing a ``DynamicCache``, and vs our bare ``ModelRunner.forward`` of the new tokens
+              over the same cached history (the difference is the engine's bookkeeping overhead).
+  prefill     cold prefill tokens/s (a fresh namespace per repeat, so nothing is cached) vs one HF forward.
+  decode      single-stream decode tokens/s (fixed length: ``min_tokens`` + ``ignore_eos``) vs HF ``generate``.
+  concurrent  16 concurrent streams: aggregate decode tokens/s while all 16 decode, vs our single stream
+              (short and long prompts).
+  kv          KV bytes per cached token (pool tensor bytes / pool slots) vs ``2 × layers × kv_heads × head_dim ×
+              dtype bytes``; 16 requests sharing a prefix: peak pool blocks used with sharing vs without.
+
+Peers and ours run interleaved, round by round (the order rotates), on the same torch threads, so a noisy machine
+moves both; the ratios use medians. Not a test: the numbers depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.bench.report import (
+    BenchReport,
+    Summary,
+    TargetResult,
+    machine_info,
+    plot_targets,
+    print_targets,
+    reproduce_command,
+    write_json,
+)
+from engine.config import EngineConfig
+from engine.errors import EngineError
+from engine.llm_engine import LLMEngine
+from engine.model.loader import ResolvedModel, resolve_model
+from engine.model_runner import BatchItem, ModelRunner
+from engine.outputs import GenerationEvent, RequestFinished, TokenDelta
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+MODULE = "engine.bench.bench_engine"
+SECTIONS = ("followup", "prefill", "decode", "concurrent", "kv")
+DEFAULT_OUT = Path("build/bench")
+_REQUEST_TIMEOUT_S = 3600.0
+_FIRST_TOKEN_ID = 16  # NOTE: synthetic prompts avoid the low ids, where the special tokens live
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Sizes of every measurement. ``STANDARD`` is what the targets are defined on; ``QUICK`` keeps code paths alive."""
+
+    history_tokens: int = 2000
+    followup_tokens: int = 30
+    followup_repeats: int = 10
+    prefill_tokens: int = 2000
+    prefill_repeats: int = 3
+    decode_prompt_tokens: int = 64
+    decode_tokens: int = 128
+    decode_repeats: int = 3
+    streams: int = 16
+    short_prompt_tokens: int = 32
+    long_prompt_tokens: int = 1000
+    stream_decode_tokens: int = 64
+    concurrent_repeats: int = 1
+    shared_prefix_tokens: int = 1000
+    shared_suffix_tokens: int = 24
+    shared_requests: int = 16
+    shared_decode_tokens: int = 16
+
+    def with_repeats(self, repeats: int | None) -> Workload:
+        if repeats is None:
+            return self
+        return replace(
+            self,
+            followup_repeats=repeats,
+            prefill_repeats=repeats,
+            decode_repeats=repeats,
+            concurrent_repeats=repeats,
+        )
+
+
+STANDARD = Workload()
+QUICK = Workload(
+    history_tokens=128,
+    followup_tokens=30,
+    followup_repeats=2,
+    prefill_tokens=128,
+    prefill_repeats=1,
+    decode_prompt_tokens=16,
+    decode_tokens=8,
+    decode_repeats=1,
+    streams=16,
+    short_prompt_tokens=8,
+    long_prompt_tokens=96,
+    stream_decode_tokens=6,
+    concurrent_repeats=1,
+    shared_prefix_tokens=100,
+    shared_suffix_tokens=8,
+    shared_requests=16,
+    shared_decode_tokens=4,
+)
+
+
+class Deadline:
+    """Time box: repeats beyond the first stop once it has passed (every section still gets a number)."""
+
+    def __init__(self, budget_s: float | None) -> None:
+        self.ends = time.monotonic() + budget_s if budget_s else math.inf
+
+    @property
+    def passed(self) -> bool:
+        return time.monotonic() >= self.ends
+
+
+# ---------------------------------------------------------------------------------------------------- the engine
+
+
+@dataclass(slots=True)
+class Trace:
+    """One request as the caller saw it (``time.perf_counter`` seconds)."""
+
+    submitted: float
+    token_times: list[float] = field(default_factory=list)
+    first_token: float | None = None
+    done: float | None = None
+    finished: RequestFinished | None = None
+    error: EngineError | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        assert self.first_token is not None
+        return self.first_token - self.submitted
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """(tokens − 1) / (last token − first token), like ``RequestStats.decode_tokens_per_s``."""
+        assert self.first_token is not None and self.done is not None
+        n = len(self.token_times)
+        return (n - 1) / (self.done - self.first_token) if n > 1 and self.done > self.first_token else 0.0
+
+
+class EngineDriver:
+    """Owns a started ``LLMEngine`` (its step-loop thread) and submits batches of requests to it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self.info = asyncio.run(self.engine.start())
+
+    def close(self) -> None:
+        asyncio.run(self.engine.stop())
+
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        namespaces: Sequence[str],
+        on_wait: Callable[[], None] | None = None,
+    ) -> list[Trace]:
+        """Submit every prompt (each under its namespace), wait until all finish; ``on_wait`` polls meanwhile."""
+        traces: list[Trace] = []
+        left = [len(prompts)]
+        all_done = threading.Event()
+        guard = threading.Lock()
+
+        def sink_for(trace: Trace) -> Callable[[GenerationEvent | EngineError], None]:
+            def sink(event: GenerationEvent | EngineError) -> None:  # runs on the engine's step thread
+                now = time.perf_counter()
+                if isinstance(event, TokenDelta):
+                    if event.token_ids and trace.first_token is None:
+                        trace.first_token = now
+                    trace.token_times.extend(now for _ in event.token_ids)
+                    return
+                if isinstance(event, RequestFinished):
+                    trace.finished = event
+                    if trace.first_token is None:
+                        trace.first_token = now
+                    # NOTE: a final token whose text is empty arrives only with RequestFinished.
+                    trace.token_times.extend(now for _ in range(len(event.token_ids) - len(trace.token_times)))
+                else:
+                    trace.error = event
+                trace.done = now
+                with guard:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        all_done.set()
+
+            return sink
+
+        for prompt, namespace in zip(prompts, namespaces, strict=True):
+            trace = Trace(submitted=time.perf_counter())
+            traces.append(trace)
+            self.engine.submit(list(prompt), params, namespace, sink_for(trace))
+        deadline = time.monotonic() + _REQUEST_TIMEOUT_S
+        while not all_done.wait(0.001 if on_wait else 0.5):
+            if on_wait is not None:
+                on_wait()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{left[0]} of {len(prompts)} benchmark requests did not finish")
+        errors = [t.error for t in traces if t.error is not None]
+        if errors:
+            raise errors[0]
+        return traces
+
+
+def _fixed_length(tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
+
+
+def _stats(trace: Trace) -> Any:
+    assert trace.finished is not None
+    return trace.finished.stats
+
+
+# ---------------------------------------------------------------------------------------------------- the peers
+
+
+class Peers:
+    """The comparison points, loaded on first use: HF transformers and our own bare ``ModelRunner``."""
+
+    def __init__(self, resolved: ResolvedModel, config: EngineConfig, dtype: torch.dtype) -> None:
+        self.resolved = resolved
+        self.config = config
+        self.dtype = dtype
+        self._hf: PreTrainedModel | None = None
+        self._runner: ModelRunner | None = None
+
+    @property
+    def hf(self) -> PreTrainedModel:
+        if self._hf is None:
+            from transformers import AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            self._hf = AutoModelForCausalLM.from_pretrained(self.resolved.path, dtype=self.dtype).eval()
+        return self._hf
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Built exactly as ``LLMEngine.load`` builds its own (``ModelRunner.from_config`` on the same config)."""
+        if self._runner is None:
+            self._runner = ModelRunner.from_config(self.config)
+        return self._runner
+
+    @torch.inference_mode()
+    def hf_forward(self, token_ids: Sequence[int], cache: Any) -> int:
+        """One HF forward over ``token_ids`` appending to ``cache``; the greedy next token (logits of the last only)."""
+        out = self.hf(torch.tensor([list(token_ids)]), cache=cache, use_cache=True, logits_to_keep=1)
+        return int(out.logits[0, -1].argmax())
+
+    def hf_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.hf.config)
+
+    @torch.inference_mode()
+    def hf_generate(self, prompt: Sequence[int], new_tokens: int) -> list[float]:
+        """``generate`` greedily exactly ``new_tokens`` tokens; the time at which each new token arrived."""
+        from transformers import GenerationConfig
+        from transformers.generation.streamers import BaseStreamer
+
+        times: list[float] = []
+
+        class TimingStreamer(BaseStreamer):
+            calls = 0
+
+            def put(self, value: Any) -> None:
+                self.calls += 1
+                if self.calls > 1:  # NOTE: the first put is the prompt itself
+                    times.extend(time.perf_counter() for _ in range(int(value.numel())))
+
+            def end(self) -> None:
+                pass
+
+        config = self.hf.config
+        eos = getattr(config, "eos_token_id", None)
+        gen = GenerationConfig(
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=getattr(config, "pad_token_id", None) or eos,
+        )
+        ids = torch.tensor([list(prompt)])
+        model: Any = self.hf  # NOTE: transformers' stubs type ``generate`` as a Tensor attribute
+        model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen, streamer=TimingStreamer()
+        )
+        if len(times) != new_tokens:
+            raise RuntimeError(f"HF generate produced {len(times)} tokens, expected {new_tokens}")
+        return times
+
+    @torch.inference_mode()
+    def bare_prefill(self, token_ids: Sequence[int], table: list[int]) -> None:
+        """Write ``token_ids``' K/V into the runner's pool at positions 0.. (chunked like the engine's scheduler)."""
+        chunk = self.config.max_num_batched_tokens
+        for start in range(0, len(token_ids), chunk):
+            self.runner.forward([BatchItem(list(token_ids[start : start + chunk]), start, table, False)])
+
+
+# ---------------------------------------------------------------------------------------------------- sections
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, workload: Workload, deadline: Deadline) -> None:
+        torch.set_num_threads(args.threads)
+        self.w = workload
+        self.deadline = deadline
+        self.resolved = resolve_model(args.model, args.cache_dir)
+        self.config = EngineConfig(
+            model=args.model,
+            device="cpu",
+            dtype=args.dtype,
+            num_threads=args.threads,
+            max_kv_memory_mb=args.kv_mb,
+            max_num_seqs=max(32, workload.streams, workload.shared_requests),
+            cache_dir=args.cache_dir,
+        )
+        self.driver = EngineDriver(self.config)
+        self.info = self.driver.info
+        self.dtype: torch.dtype = getattr(torch, self.info.dtype)
+        self.peers = Peers(self.resolved, self.config, self.dtype)
+        self.rng = random.Random(args.seed)
+        self.run_id = uuid.uuid4().hex[:8]
+
+    def close(self) -> None:
+        self.driver.close()
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(_FIRST_TOKEN_ID, self.info.vocab_size) for _ in range(n)]
+
+    def namespace(self, label: str) -> str:
+        return f"bench-{self.run_id}-{label}-{uuid.uuid4().hex[:6]}"
+
+    def rounds(self, repeats: int) -> range:
+        """Round 0 is a warm-up (not recorded); later rounds stop early once the time box has passed."""
+        return range(repeats + 1)
+
+    def stop_early(self, round_index: int) -> bool:
+        return round_index >= 2 and self.deadline.passed
+
+    # ------------------------------------------------------------------ 1. follow-up turn TTFT
+
+    def followup(self) -> tuple[list[TargetResult], dict[str, Any]]:
+        w, peers, bs = self.w, self.peers, self.info.block_size
+        history = self.tokens(w.history_tokens)
+        ns = self.namespace("followup")
+        self.driver.run([history], SamplingParams(max_tokens=1), [ns])  # NOTE: the first turn caches the history
+        table = list(range(-(-(w.history_tokens + w.followup_tokens) // bs)))
+        peers.bare_prefill(history, table)
+        cache = peers.hf_cache()
+        peers.hf_forward(history, cache)
+
+        engine_s: list[float] = []
+        engine_stats_s: list[float] = []
+        bare_s: list[float] = []
+        hf_s: list[float] = []
+        cached: set[int] = set()
+        prefilled: set[int] = set()
+        for i in self.rounds(w.followup_repeats):
+            if self.stop_early(i):
+                break
+            new = self.tokens(w.followup_tokens)  # NOTE: fresh tokens each round, so only the history is a hit
+
+            def ours(new: list[int] = new) -> float:
+                trace = self.driver.run([history + new], SamplingParams(max_tokens=1), [ns])[0]
+                cached.add(_stats(trace).cached_tokens)
+                prefilled.add(_stats(trace).prefilled_tokens)
+                engine_stats_s.append(_stats(trace).ttft_s)
+                return trace.ttft_s
+
+            def bare(new: list[int] = new) -> float:
+                started = time.perf_counter()
+                with torch.inference_mode():
+                    peers.runner.forward([BatchItem(new, w.history_tokens, table, True)])
+                return time.perf_counter() - started
+
+            def hf(new: list[int] = new) -> float:
+                started = time.perf_counter()
+                peers.hf_forward(new, cache)
+                elapsed = time.perf_counter() - started
+                cache.crop(-len(new))  # NOTE: back to the history alone for the next round
+                return elapsed
+
+            results = _interleaved(i, {"engine": ours, "bare": bare, "hf": hf})
+            if i == 0:
+                engine_stats_s.clear()
+                continue
+            engine_s.append(results["engine"])
+            bare_s.append(results["bare"])
+            hf_s.append(results["hf"])
+        e, b, h = Summary.of(engine_s), Summary.of(bare_s), Summary.of(hf_s)
+        label = f"{w.history_tokens} cached + {w.followup_tokens} new"
+        targets = [
+            TargetResult(
+                "followup_ttft_vs_hf",
+                f"follow-up TTFT ({label}) vs HF DynamicCache",
+                e.median / h.median,
+                "<=",
+                0.7,
+                f"{e.median * 1e3:.1f} ms",
+                f"{h.median * 1e3:.1f} ms",
+            ),
+            TargetResult(
+                "followup_ttft_vs_bare_forward",
+                f"follow-up TTFT ({label}) vs our bare forward",
+                e.median / b.median,
+                "<=",
+                1.25,
+                f"{e.median * 1e3:.1f} ms",
+                f"{b.median * 1e3:.1f} ms",
+                "engine overhead = ratio − 1",
+            ),
+        ]
+        section = {
+            "history_tokens": w.history_tokens,
+            "new_tokens": w.followup_tokens,
+            "engine_cached_tokens": sorted(cached),
+            "engine_prefilled_tokens": sorted(prefilled),
+            "engine_ttft_s": e,
+            "engine_stats_ttft_s": Summary.of(engine_stats_s),
+            "bare_forward_s": b,
+            "hf_dynamic_cache_s": h,
+        }
+        return targets, section
+
+    # ------------------------------------------------------------------ 2. cold prefill
+
+    def prefill(self) -> tuple[list[TargetResult], dict[str, Any]]:
+        w, peers = self.w, self.peers
+        prompt = self.tokens(w.prefill_tokens)
+        ours_tps: list[float] = []
+        hf_tps: list[float] = []
+        cached: set[int] = set()
+        for i in self.rounds(w.prefill_repeats):
+            if self.stop_early(i):
+                break
+
+            def ours() -> float:
+                # NOTE: a fresh namespace per round: same tokens, nothing cached.
+                trace = self.driver.run([prompt], SamplingParams(max_tokens=1), [self.namespace("cold")])[0]
+                cached.add(_stats(trace).cached_tokens)
+                return len(prompt) / trace.ttft_s
+
+            def hf() -> float:
+                cache = peers.hf_cache()
+                started = time.perf_counter()
+                peers.hf_forward(prompt, cache)
+                return len(prompt) / (time.perf_counter() - started)
+
+            results = _interleaved(i, {"engine": ours, "hf": hf})
+            if i > 0:
+                ours_tps.append(results["engine"])
+                hf_tps.append(results["hf"])
+        o, h = Summary.of(ours_tps), Summary.of(hf_tps)
+        target = TargetResult(
+            "cold_prefill_vs_hf",
+            f"cold prefill tok/s ({w.prefill_tokens} tokens) vs HF",
+            o.median / h.median,
+            ">=",
+            1.0,
+            f"{o.median:.0f} tok/s",
+            f"{h.median:.0f} tok/s",
+            f"engine chunk = max_num_batched_tokens = {self.config.max_num_batched_tokens}",
+        )
+        section = {
+            "prompt_tokens": w.prefill_tokens,
+            "engine_cached_tokens": sorted(cached),
+            "engine_tokens_per_s": o,
+            "hf_tokens_per_s": h,
+        }
+        return [target], section
+
+    # ------------------------------------------------------------------ 3. single-stream decode
+
+    def decode(self) -> tuple[list[TargetResult], dict[str, Any]]:
+        w, peers = self.w, self.peers
+        prompt = self.tokens(w.decode_prompt_tokens)
+        ours_tps: list[float] = []
+        hf_tps: list[float] = []
+        for i in self.rounds(w.decode_repeats):
+            if self.stop_early(i):
+                break
+
+            def ours() -> float:
+                params = _fixed_length(w.decode_tokens)
+                trace = self.driver.run([prompt], params, [self.namespace("decode")])[0]
+                if len(trace.token_times) != w.decode_tokens:
+                    raise RuntimeError(f"engine produced {len(trace.token_times)} tokens, expected {w.decode_tokens}")
+                return trace.decode_tokens_per_s
+
+            def hf() -> float:
+                times = peers.hf_generate(prompt, w.decode_tokens)
+                return (len(times) - 1) / (times[-1] - times[0])
+
+            results = _interleaved(i, {"engine": ours, "hf": hf})
+            if i > 0:
+                ours_tps.append(results["engine"])
+                hf_tps.append(results["hf"])
+        o, h = Summary.of(ours_tps), Summary.of(hf_tps)
+        target = TargetResult(
+            "decode_vs_hf_generate",
+            f"single-stream decode tok/s ({w.decode_tokens} new) vs HF generate",
+            o.median / h.median,
+            ">=",
+            2.0,
+            f"{o.median:.1f} tok/s",
+            f"{h.median:.1f} tok/s",
+        )
+        section = {
+            "prompt_tokens": w.decode_prompt_tokens,
+            "new_tokens": w.decode_tokens,
+            "engine_tokens_per_s": o,
+            "hf_generate_tokens_per_s": h,
+        }
+        return [target], section
+
+    # ------------------------------------------------------------------ 4. concurrent streams
+
+    def concurrent(self) -> tuple[list[TargetResult], dict[str, Any]]:
+        w = self.w
+        targets: list[TargetResult] = []
+        section: dict[str, Any] = {"streams": w.streams, "new_tokens": w.stream_decode_tokens}
+        params = _fixed_length(w.stream_decode_tokens)
+        for kind, length in (("short", w.short_prompt_tokens), ("long", w.long_prompt_tokens)):
+            single: list[float] = []
+            aggregate: list[float] = []
+            end_to_end: list[float] = []
+            for i in range(w.concurrent_repeats):
+                if self.stop_early(i + 1):
+                    break
+                one = self.driver.run([self.tokens(length)], params, [self.namespace("single")])[0]
+                single.append(one.decode_tokens_per_s)
+                prompts = [self.tokens(length) for _ in range(w.streams)]
+                traces = self.driver.run(prompts, params, [self.namespace("stream") for _ in prompts])
+                aggregate.append(_steady_decode_rate(traces))
+                wall = max(t.done or 0.0 for t in traces) - min(t.submitted for t in traces)
+                end_to_end.append(sum(len(t.token_times) for t in traces) / wall)
+            s, a = Summary.of(single), Summary.of(aggregate)
+            targets.append(
+                TargetResult(
+                    f"concurrent_{kind}_vs_single",
+                    f"{w.streams} streams aggregate decode, {kind} prompts ({length} tok) vs 1 stream",
+                    a.median / s.median,
+                    ">=",
+                    6.0,
+                    f"{a.median:.1f} tok/s",
+                    f"{s.median:.1f} tok/s",
+                )
+            )
+            section[kind] = {
+                "prompt_tokens": length,
+                "single_stream_tokens_per_s": s,
+                "aggregate_decode_tokens_per_s": a,
+                "end_to_end_tokens_per_s": Summary.of(end_to_end),
+            }
+        return targets, section
+
+    # ------------------------------------------------------------------ 5. KV bytes and sharing
+
+    def kv(self) -> tuple[list[TargetResult], dict[str, Any]]:
+        w, runner, info = self.w, self.peers.runner, self.info
+        theory = _theoretical_kv_bytes_per_token(self.resolved.path, self.dtype)
+        pool = runner.kv_pool
+        pool_bytes = pool.numel() * pool.element_size()
+        slots = runner.num_blocks * runner.block_size
+        if runner.num_blocks != info.num_blocks:
+            raise RuntimeError(f"runner has {runner.num_blocks} blocks, the engine {info.num_blocks}")
+        measured = pool_bytes / slots
+
+        prefix = self.tokens(w.shared_prefix_tokens)
+        prompts = [prefix + self.tokens(w.shared_suffix_tokens) for _ in range(w.shared_requests)]
+        params = _fixed_length(w.shared_decode_tokens)
+        ns = self.namespace("shared")
+        self.driver.run([prefix + self.tokens(w.shared_suffix_tokens)], SamplingParams(max_tokens=1), [ns])
+        shared_peak, shared_traces = self._peak_used_blocks(prompts, params, [ns] * len(prompts))
+        private_peak, _ = self._peak_used_blocks(prompts, params, [self.namespace("private") for _ in prompts])
+
+        bs = info.block_size
+        per_request = -(-(len(prompts[0]) + w.shared_decode_tokens - 1) // bs)  # the last sampled token has no KV
+        prefix_blocks = w.shared_prefix_tokens // bs
+        expected_shared = prefix_blocks + w.shared_requests * (per_request - prefix_blocks)
+        expected_private = w.shared_requests * per_request
+        copies = (shared_peak - w.shared_requests * (per_request - prefix_blocks)) / prefix_blocks
+        targets = [
+            TargetResult(
+                "kv_bytes_per_token_vs_theory",
+                "KV bytes per cached token vs 2·layers·kv_heads·head_dim·dtype",
+                measured / theory,
+                "<=",
+                1.05,
+                f"{measured:.0f} B",
+                f"{theory} B",
+            ),
+            TargetResult(
+                "shared_prefix_copies",
+                f"{w.shared_requests} requests sharing a {w.shared_prefix_tokens}-token prefix: copies stored",
+                copies,
+                "<=",
+                1.0,
+                f"{shared_peak} blocks",
+                f"{private_peak} blocks unshared",
+                f"{private_peak / shared_peak:.1f}x fewer blocks with sharing",
+            ),
+        ]
+        section = {
+            "pool_shape": list(pool.shape),
+            "pool_bytes": pool_bytes,
+            "num_blocks": runner.num_blocks,
+            "block_size": runner.block_size,
+            "measured_bytes_per_token": measured,
+            "theoretical_bytes_per_token": theory,
+            "engine_info_kv_bytes_per_token": info.kv_bytes_per_token,
+            "shared_requests": w.shared_requests,
+            "prefix_tokens": w.shared_prefix_tokens,
+            "prompt_tokens": len(prompts[0]),
+            "peak_used_blocks_shared": shared_peak,
+            "peak_used_blocks_unshared": private_peak,
+            "expected_blocks_shared": expected_shared,
+            "expected_blocks_unshared": expected_private,
+            "cached_tokens_per_request_shared": sorted({_stats(t).cached_tokens for t in shared_traces}),
+        }
+        return targets, section
+
+    def _peak_used_blocks(
+        self, prompts: list[list[int]], params: SamplingParams, namespaces: list[str]
+    ) -> tuple[int, list[Trace]]:
+        peak = [0]
+
+        def poll() -> None:
+            peak[0] = max(peak[0], self.driver.engine.stats().kv.num_used_blocks)
+
+        traces = self.driver.run(prompts, params, namespaces, on_wait=poll)
+        return peak[0], traces
+
+
+def _interleaved(round_index: int, fns: dict[str, Callable[[], float]]) -> dict[str, float]:
+    """Run each measurement once, rotating the order by round so neither side always runs first."""
+    names = list(fns)
+    shift = round_index % len(names)
+    return {name: fns[name]() for name in names[shift:] + names[:shift]}
+
+
+def _steady_decode_rate(traces: Sequence[Trace]) -> float:
+    """Tokens/s over the window in which every stream is decoding (last first-token → first last-token)."""
+    start = max(t.first_token or 0.0 for t in traces)
+    end = min(t.token_times[-1] for t in traces)
+    if end <= start:
+        raise RuntimeError("the streams never decoded together: raise stream_decode_tokens")
+    count = sum(1 for t in traces for x in t.token_times if start < x <= end)
+    return count / (end - start)
+
+
+def _theoretical_kv_bytes_per_token(folder: Path, dtype: torch.dtype) -> int:
+    """``2 × layers × kv_heads × head_dim × dtype bytes``, read from config.json (independently of the engine)."""
+    config = json.loads((folder / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    return 2 * int(config["num_hidden_layers"]) * kv_heads * head_dim * dtype.itemsize
+
+
+# ---------------------------------------------------------------------------------------------------- the program
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}",
+        description=(__doc__ or "").splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of {', '.join(SECTIONS)} (default: all)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and one repeat (smoke runs, tests)")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="auto", help="auto = bf16 where the CPU has it (the engine's default)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (engine and peers)")
+    parser.add_argument("--kv-mb", type=int, default=512, help="engine KV pool budget (EngineConfig.max_kv_memory_mb)")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per section (default: per section)")
+    parser.add_argument("--budget-s", type=float, default=None, help="time box: stop repeating once it has passed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--json", type=Path, default=DEFAULT_OUT / "engine.json")
+    parser.add_argument("--png", type=Path, default=DEFAULT_OUT / "engine.png")
+    return parser
+
+
+def run(
+    argv: Sequence[str],
+    on_section: Callable[[str], None] | None = None,
+) -> BenchReport:
+    """Run the sections named in ``argv`` and return the report (nothing written, nothing printed)."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    unknown = sorted(set(args.sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    sections = [s for s in SECTIONS if not args.sections or s in args.sections]
+    workload = (QUICK if args.quick else STANDARD).with_repeats(args.repeats)
+    bench = Bench(args, workload, Deadline(args.budget_s))
+    report = BenchReport("engine", reproduce_command(MODULE, argv))
+    try:
+        if on_section is not None:
+            on_section("engine loaded")
+        for name in sections:
+            started = time.monotonic()
+            targets, section = getattr(bench, name)()
+            section["elapsed_s"] = round(time.monotonic() - started, 2)
+            report.targets.extend(targets)
+            report.sections[name] = section
+            if on_section is not None:
+                on_section(name)
+    finally:
+        bench.close()
+    report.machine = machine_info(bench.info.dtype, args.threads) | {
+        "model": args.model,
+        "model_path": str(bench.resolved.path),
+        "engine": {k: v for k, v in asdict(bench.config).items() if k != "cache_dir"},
+        "workload": asdict(workload),
+        "quick": args.quick,
+    }
+    return report
+
+
+def write_outputs(report: BenchReport, json_path: Path, png_path: Path) -> None:
+    write_json(json_path, report.to_json())
+    m = report.machine
+    subtitle = f"{m.get('model')} {m.get('dtype')}, {m.get('torch_threads')} threads, {m.get('cpu')}"
+    plot_targets(png_path, report.targets, "kvchat engine targets (ratios measured in one run)", subtitle)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    print(f"reproduce: {reproduce_command(MODULE, argv)}", flush=True)
+    report = run(argv, on_section=lambda name: print(f"  done: {name}", file=sys.stderr, flush=True))
+    print_targets(report.targets)
+    write_outputs(report, args.json, args.png)
+    print(f"wrote {args.json} and {args.png}")
+    print(f"reproduce: {report.command}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
