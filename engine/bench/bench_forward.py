@@ -1,15 +1,18 @@
 """ms/step of our paged forward vs HF transformers (DynamicCache), SmolLM2-135M on CPU, at a fixed context.
 
-Reproduce:  .venv/bin/python -m engine.bench.bench_forward [--context 2000] [--batch 16] [--steps 10]
+Reproduce:  .venv/bin/python -m engine.bench.bench_forward [--context 100,2000] [--batch 16] [--steps 10] [--fp32]
 
 Prints one row per (implementation, dtype, rows): single-stream decode (1 row) and batched decode (``--batch`` rows,
 each sequence with ``--context`` tokens already cached). Our runner is measured with contiguous block tables (views,
-no gather) and with shuffled ones (a padded gather per layer). Not a test: numbers depend on the machine's load.
+no gather) and with shuffled ones, each with the C kernels (``engine.model.cpu_kernels``) and with the pure-torch
+fallback (``KVCHAT_DISABLE_KERNELS=1`` path: a padded gather per layer + SDPA). Not a test: numbers depend on the
+machine's load, so compare ratios within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from collections.abc import Callable
@@ -19,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from engine.device import cpu_supports_bf16
+from engine.model import cpu_kernels
 from engine.model.loader import ResolvedModel, resolve_model
 from engine.model_runner import BatchItem, ModelRunner
 
@@ -41,9 +45,23 @@ def _tables(batch: int, blocks_per_seq: int, shuffled: bool) -> list[list[int]]:
     return [ids[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(batch)]
 
 
-def bench_ours(model: ResolvedModel, dtype: torch.dtype, context: int, batch: int, steps: int) -> dict[str, float]:
+def bench_ours(
+    model: ResolvedModel, dtype: torch.dtype, context: int, batch: int, steps: int, kernels: bool
+) -> dict[str, float]:
     blocks_per_seq = context // BLOCK + 2
-    runner = ModelRunner(model, num_blocks=batch * blocks_per_seq, block_size=BLOCK, device="cpu", dtype=dtype)
+    if not kernels:
+        cpu_kernels.load.cache_clear()
+        os.environ["KVCHAT_DISABLE_KERNELS"] = "1"
+    try:
+        runner = ModelRunner(model, num_blocks=batch * blocks_per_seq, block_size=BLOCK, device="cpu", dtype=dtype)
+        return _bench_runner(runner, context, batch, steps, "ours" if kernels else "torch-path")
+    finally:
+        os.environ.pop("KVCHAT_DISABLE_KERNELS", None)
+        cpu_kernels.load.cache_clear()
+
+
+def _bench_runner(runner: ModelRunner, context: int, batch: int, steps: int, name: str) -> dict[str, float]:
+    blocks_per_seq = context // BLOCK + 2
     prompt = [(i * 7919) % (runner.vocab_size - 10) + 10 for i in range(context)]
     results = {}
     for shuffled in (False, True):
@@ -56,7 +74,7 @@ def bench_ours(model: ResolvedModel, dtype: torch.dtype, context: int, batch: in
         label = "shuffled" if shuffled else "contiguous"
         for rows in (1, batch):
             items = [BatchItem([42], context, tables[i], True) for i in range(rows)]
-            results[f"ours {label} rows={rows}"] = _time(partial(runner.forward, items), steps)
+            results[f"{name} {label} rows={rows}"] = _time(partial(runner.forward, items), steps)
     return results
 
 
@@ -83,20 +101,27 @@ def bench_hf(model: ResolvedModel, dtype: torch.dtype, context: int, batch: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--context", type=int, default=2000)
+    parser.add_argument("--context", default="100,2000", help="comma-separated cached context lengths")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--fp32", action="store_true", help="also measure float32 where bf16 is supported")
     args = parser.parse_args()
     model = resolve_model(args.model)
-    dtypes = [torch.bfloat16, torch.float32] if cpu_supports_bf16() else [torch.float32]
-    print(f"torch threads={torch.get_num_threads()} context={args.context} batch={args.batch}")
-    print(f"{'implementation':<32} {'dtype':<10} {'ms/step':>9} {'tok/s':>8}")
+    dtypes = [torch.bfloat16] if cpu_supports_bf16() else [torch.float32]
+    if args.fp32 and torch.float32 not in dtypes:
+        dtypes.append(torch.float32)
+    print(f"torch threads={torch.get_num_threads()} batch={args.batch}")
+    print(f"{'implementation':<34} {'dtype':<9} {'context':>7} {'ms/step':>9} {'tok/s':>8} {'vs hf':>6}")
     for dtype in dtypes:
-        results = bench_ours(model, dtype, args.context, args.batch, args.steps)
-        results |= bench_hf(model, dtype, args.context, args.batch, args.steps)
-        for name, ms in results.items():
-            rows = int(name.rsplit("=", 1)[1])
-            print(f"{name:<32} {str(dtype).removeprefix('torch.'):<10} {ms:>9.1f} {rows * 1e3 / ms:>8.1f}")
+        for context in (int(c) for c in args.context.split(",")):
+            results = bench_ours(model, dtype, context, args.batch, args.steps, kernels=True)
+            results |= bench_ours(model, dtype, context, args.batch, args.steps, kernels=False)
+            results |= bench_hf(model, dtype, context, args.batch, args.steps)
+            for name, ms in results.items():
+                rows = int(name.rsplit("=", 1)[1])
+                ratio = results[f"hf DynamicCache rows={rows}"] / ms
+                dt = str(dtype).removeprefix("torch.")
+                print(f"{name:<34} {dt:<9} {context:>7} {ms:>9.1f} {rows * 1e3 / ms:>8.1f} {ratio:>5.2f}x", flush=True)
 
 
 if __name__ == "__main__":

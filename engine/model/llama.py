@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
+from engine.model import cpu_kernels
 from engine.model.paged_attention import AttentionPlan, attend, write_kv
 from engine.model.spec import ModelSpec, RopeSpec
 
@@ -133,6 +134,7 @@ class LlamaModel:
         self.dtype = weights.embed.dtype
         self.rope = rope_tables(spec, max_len, self.dtype, device)
         self.scale = spec.head_dim**-0.5
+        self.kernels = cpu_kernels.load() if device.type == "cpu" else None
 
     def forward(
         self,
@@ -151,8 +153,22 @@ class LlamaModel:
             x = self._layer(x, layer, cos, sin, plan, kv_pool[i])
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
-        x = F.rms_norm(x, (self.spec.hidden_size,), self.weights.norm, self.spec.rms_norm_eps)
+        x = self._norm(x, self.weights.norm)
         return F.linear(x, self.weights.lm_head).float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and cpu_kernels.norm_supported(x, weight, None):
+            return cpu_kernels.rms_norm(self.kernels, x, weight, self.spec.rms_norm_eps)
+        return F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
+
+    def _add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, rms_norm(x + delta))``; the kernel adds into ``x`` in place (it is this step's own tensor)."""
+        if self.kernels is not None and cpu_kernels.norm_supported(x, weight, delta):
+            return x, cpu_kernels.rms_norm(self.kernels, x, weight, self.spec.rms_norm_eps, delta)
+        x = x + delta
+        return x, F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
 
     def _layer(
         self,
@@ -165,7 +181,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         spec = self.spec
         n, heads, kv_heads, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
-        h = F.rms_norm(x, (spec.hidden_size,), w.input_norm, spec.rms_norm_eps)
+        h = self._norm(x, w.input_norm)
         qkv = F.linear(h, w.qkv, w.qkv_bias)
         qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
         v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
@@ -181,8 +197,7 @@ class LlamaModel:
         q, k = qk[:, :heads], qk[:, heads:]
         write_kv(kv[0], kv[1], plan, k, v)
         attn = attend(q, kv[0], kv[1], plan).reshape(n, heads * d)
-        x = x + F.linear(attn, w.o, w.o_bias)
-        h = F.rms_norm(x, (spec.hidden_size,), w.post_norm, spec.rms_norm_eps)
+        x, h = self._add_norm(x, F.linear(attn, w.o, w.o_bias), w.post_norm)
         gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, w.down)
 

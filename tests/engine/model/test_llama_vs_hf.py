@@ -2,7 +2,8 @@
 
 Each case compares logits (max abs diff <= 1e-4) for: a full prefill, step-by-step decode through a shuffled
 (non-contiguous) block table, a prefill split into chunks at positions not aligned to blocks, and a mixed batch (one
-prefill + two decodes in one forward) against each sequence run alone.
+prefill + two decodes in one forward) against each sequence run alone. The decode cases run twice: through the C
+paged-decode kernel (where a compiler is present) and through the pure-torch fallback.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from engine.model import cpu_kernels
 from engine.model_runner import BatchItem, ModelRunner
 
 TOL = 1e-4
@@ -81,6 +83,13 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return model, path
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    return str(request.param)
+
+
 def _runner(path: Path) -> ModelRunner:
     return ModelRunner(path, num_blocks=NUM_BLOCKS, block_size=BLOCK, device="cpu", dtype="float32")
 
@@ -120,7 +129,7 @@ def test_full_prefill_matches_hf(case: tuple[PreTrainedModel, Path]) -> None:
     _close(out, ref[-1:])
 
 
-def test_stepwise_decode_through_shuffled_pool_matches_hf(case: tuple[PreTrainedModel, Path]) -> None:
+def test_stepwise_decode_through_shuffled_pool_matches_hf(case: tuple[PreTrainedModel, Path], decode_path: str) -> None:
     model, path = case
     runner = _runner(path)
     ids = _tokens(30, seed=2)
@@ -132,7 +141,7 @@ def test_stepwise_decode_through_shuffled_pool_matches_hf(case: tuple[PreTrained
     _close(torch.stack(steps), ref)
 
 
-def test_stepwise_decode_contiguous_table_matches_hf(case: tuple[PreTrainedModel, Path]) -> None:
+def test_stepwise_decode_contiguous_table_matches_hf(case: tuple[PreTrainedModel, Path], decode_path: str) -> None:
     # a table that is one run of consecutive blocks is read as a view of the pool (no gather)
     model, path = case
     runner = _runner(path)
@@ -159,7 +168,7 @@ def test_chunked_prefill_unaligned_matches_hf(case: tuple[PreTrainedModel, Path]
     assert runner.forward([BatchItem(ids[:5], 0, table, need_logits=False)]).shape == (0, COMMON["vocab_size"])
 
 
-def test_mixed_batch_equals_each_sequence_alone(case: tuple[PreTrainedModel, Path]) -> None:
+def test_mixed_batch_equals_each_sequence_alone(case: tuple[PreTrainedModel, Path], decode_path: str) -> None:
     model, path = case
     runner = _runner(path)
     rng = random.Random(4)
@@ -182,7 +191,7 @@ def test_mixed_batch_equals_each_sequence_alone(case: tuple[PreTrainedModel, Pat
     _close(mixed[0:1], torch.stack(alone))
 
 
-def test_batched_decodes_of_different_lengths(case: tuple[PreTrainedModel, Path]) -> None:
+def test_batched_decodes_of_different_lengths(case: tuple[PreTrainedModel, Path], decode_path: str) -> None:
     model, path = case
     runner = _runner(path)
     rng = random.Random(8)

@@ -1,0 +1,429 @@
+"""Small C/OpenMP kernels for CPU decode: paged attention that reads K/V in place, and RMSNorm (+ residual add).
+
+RMSNorm: torch's bf16 ``rms_norm`` is ~8 aten ops (upcast, pow, mean, rsqrt, ...), ~100 us a call at one row; 61 of
+them per step cost SmolLM2 more time than its attention at short contexts. The kernel does it (and the residual add
+before it) in one call, rounding where transformers' ``LlamaRMSNorm`` rounds.
+
+Paged decode attention:
+The pure-torch path (``paged_attention._attend_decode``) gathers every decode row's blocks into a padded batch per
+layer and then runs SDPA over it: the K/V bytes cross memory three times (gather read, gather write, SDPA read). This
+kernel reads them once. Work items are (sequence, kv head, 256-token part) — split-K ("flash-decoding"), so a single
+long sequence still keeps every thread busy — each producing a partial softmax (max, sum, weighted V) that a second
+pass merges. The query group of a kv head shares every K/V row it loads (GQA without repeating K/V). Accumulation is
+in fp32 for fp32 and bf16 pools.
+
+Both are built once per (source, compiler flags, CPU flags) with the system C compiler into ``<cache_dir>/kernels/``
+and loaded with ctypes. NOTE: plain C + ctypes rather than ``torch.utils.cpp_extension.load_inline``: it compiles in
+about a second instead of a minute of torch headers, and ``-fopenmp`` binds to the ``libgomp.so.1`` torch has
+already loaded, so both share one thread pool. When the compiler is missing or the build fails, ``load()`` returns
+None once, logs why, and the model takes the torch paths (``KVCHAT_DISABLE_KERNELS=1`` forces them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.device import cpu_flags
+from engine.model.loader import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+PART = 256  # tokens per work item
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_load(const uint16_t *p) {
+    uint32_t u = (uint32_t)(*p) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) {  /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* dst[0:n] = row as fp32; returns a pointer to the fp32 values (the row itself when it already is fp32). */
+static inline const float *row_f32(const void *base, int64_t off, int64_t n, int bf16, float *restrict dst) {
+    if (!bf16) return (const float *)base + off;
+    const uint16_t *src = (const uint16_t *)base + off;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)src[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        dst[i] = f;
+    }
+    return dst;
+}
+
+/* GCC vector extensions: 16 fp32 lanes (one AVX-512 register, two AVX2 ones, scalar code elsewhere). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
+
+/* exp(x) for x <= 0, 16 lanes (Cephes expf polynomial, ~1 ulp). */
+static inline v16f exp_neg16(v16f x) {
+    const v16f lo = x - x - 87.0f;
+    const v16i below = x < lo; /* lanes are 0 or -1 */
+    x = (v16f)(((v16i)x & ~below) | ((v16i)lo & below));
+    const v16f fx = x * 1.44269504088896341f + 0.5f;
+    v16i n = __builtin_convertvector(fx, v16i);
+    n += __builtin_convertvector(n, v16f) > fx; /* floor: truncation rounded negative values up */
+    const v16f nf = __builtin_convertvector(n, v16f);
+    const v16f r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (v16f)((n + 127) << 23);
+}
+
+static inline float exp_neg(float x) {
+    v16f v = {x};
+    return exp_neg16(v)[0];
+}
+
+/* a . b with a tree reduction over 16 lanes (an in-order reduction would serialise 16 dependent adds) */
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, const int64_t dim) {
+    if (dim % 16 != 0) {
+        float total = 0.0f;
+        for (int64_t d = 0; d < dim; d++) total += a[d] * b[d];
+        return total;
+    }
+    v16f acc = load16(a) * load16(b);
+    for (int64_t c = 16; c < dim; c += 16) acc += load16(a + c) * load16(b + c);
+    const v16i h8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const v16i h4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const v16i h2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const v16i h1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    acc += __builtin_shuffle(acc, h8);
+    acc += __builtin_shuffle(acc, h4);
+    acc += __builtin_shuffle(acc, h2);
+    acc += __builtin_shuffle(acc, h1);
+    return acc[0];
+}
+
+/* One work item: query group of kv head `kvh` of sequence `b` over tokens [t0, t0 + n). Inlined with constant
+   `dim`/`bf16` (see run_part) so the short per-token loops unroll into straight vector code. */
+static inline __attribute__((always_inline)) void part(
+    const int64_t dim, const int bf16, const int64_t group, const int64_t kv_heads, const int64_t kvh,
+    const void *q, int64_t q_off, const void *k_cache, const void *v_cache,
+    const int64_t *offs, int64_t n, int64_t part_len, float scale,
+    float *restrict qf, float *restrict s, float *restrict tmp, float *restrict acc, float *mx, float *sm)
+{
+    for (int64_t g = 0; g < group; g++) {
+        const float *src = row_f32(q, q_off + (kvh * group + g) * dim, dim, bf16, tmp);
+        for (int64_t d = 0; d < dim; d++) qf[g * dim + d] = src[d] * scale;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const float *k = row_f32(k_cache, offs[i], dim, bf16, tmp);
+        for (int64_t g = 0; g < group; g++) {
+            s[g * part_len + i] = dot(qf + g * dim, k, dim);
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = s + g * part_len, m = -3.0e38f, total = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t i = 0; i < n; i++) m = sg[i] > m ? sg[i] : m;
+        for (int64_t i = n; i % 16 != 0; i++) sg[i] = m - 100.0f; /* pad the last vector */
+        for (int64_t i = 0; i < n; i += 16) {
+            v16f e = exp_neg16(load16(sg + i) - m);
+            memcpy(sg + i, &e, 64);
+        }
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < n; i++) total += sg[i];
+        mx[g] = m;
+        sm[g] = total;
+    }
+    for (int64_t x = 0; x < group * dim; x++) acc[x] = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float *v = row_f32(v_cache, offs[i], dim, bf16, tmp);
+        for (int64_t g = 0; g < group; g++) {
+            const float p = s[g * part_len + i];
+            float *ag = acc + g * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) ag[d] += p * v[d];
+        }
+    }
+}
+
+static void run_part(
+    int64_t dim, int bf16, int64_t group, int64_t kv_heads, int64_t kvh, const void *q, int64_t q_off,
+    const void *k_cache, const void *v_cache, const int64_t *offs, int64_t n, int64_t part_len, float scale,
+    float *qf, float *s, float *tmp, float *acc, float *mx, float *sm)
+{
+#define PART_ARGS group, kv_heads, kvh, q, q_off, k_cache, v_cache, offs, n, part_len, scale, qf, s, tmp, acc, mx, sm
+    if (dim == 64 && bf16) part(64, 1, PART_ARGS);
+    else if (dim == 64) part(64, 0, PART_ARGS);
+    else if (dim == 128 && bf16) part(128, 1, PART_ARGS);
+    else if (dim == 128) part(128, 0, PART_ARGS);
+    else part(dim, bf16, PART_ARGS);
+#undef PART_ARGS
+}
+
+void kvchat_paged_decode(
+    const void *q, int64_t q_stride, const int64_t *q_rows,
+    const void *k_cache, const void *v_cache, int64_t block_size,
+    const int64_t *table, int64_t max_blocks, const int64_t *lens,
+    void *out, int64_t out_stride, const int64_t *out_rows,
+    int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+    float scale, int bf16, int nthreads, int64_t part_len)
+{
+    const int64_t group = heads / kv_heads;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < batch; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    const int64_t nparts = (max_len + part_len - 1) / part_len;
+    const int64_t per_task = group * (dim + 2); /* acc[group][dim], then max[group], sum[group] */
+    const int64_t ntasks = batch * kv_heads * nparts;
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)(ntasks * per_task));
+    if (!scratch) return;
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(group * dim + group * (part_len + 16) + dim + 64));
+        int64_t *offs = (int64_t *)malloc(sizeof(int64_t) * (size_t)part_len);
+        float *qf = buf, *s = buf + group * dim, *tmp = s + group * (part_len + 16);
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntasks; task++) {
+            const int64_t b = task / (kv_heads * nparts);
+            const int64_t kvh = (task / nparts) % kv_heads;
+            const int64_t t0 = (task % nparts) * part_len;
+            float *acc = scratch + task * per_task, *mx = acc + group * dim, *sm = mx + group;
+            const int64_t len = lens[b];
+            if (t0 >= len) {
+                for (int64_t g = 0; g < group; g++) { mx[g] = -3.0e38f; sm[g] = 0.0f; }
+                continue;
+            }
+            const int64_t n = (len - t0 < part_len) ? len - t0 : part_len;
+            const int64_t *blocks = table + b * max_blocks;
+            for (int64_t i = 0; i < n;) { /* element offset of each token's row, walking block by block */
+                const int64_t t = t0 + i, bi = t / block_size, within = t - bi * block_size;
+                const int64_t base = (blocks[bi] * block_size + within) * kv_heads + kvh;
+                for (int64_t j = 0; j < block_size - within && i < n; j++, i++) offs[i] = (base + j * kv_heads) * dim;
+            }
+            run_part(dim, bf16, group, kv_heads, kvh, q, q_rows[b] * q_stride, k_cache, v_cache, offs, n, part_len,
+                     scale, qf, s, tmp, acc, mx, sm);
+        }
+
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < batch * heads; bh++) {
+            const int64_t b = bh / heads, h = bh % heads, kvh = h / group, g = h % group;
+            float m = -3.0e38f, total = 0.0f;
+            for (int64_t p = 0; p < nparts; p++) {
+                const float *acc = scratch + ((b * kv_heads + kvh) * nparts + p) * per_task;
+                const float pm = acc[group * dim + g];
+                m = pm > m ? pm : m;
+            }
+            for (int64_t d = 0; d < dim; d++) tmp[d] = 0.0f;
+            for (int64_t p = 0; p < nparts; p++) {
+                const float *acc = scratch + ((b * kv_heads + kvh) * nparts + p) * per_task;
+                const float ps = acc[group * dim + group + g];
+                if (ps == 0.0f) continue;
+                const float w = exp_neg(acc[group * dim + g] - m);
+                total += ps * w;
+                for (int64_t d = 0; d < dim; d++) tmp[d] += acc[g * dim + d] * w;
+            }
+            const float inv = 1.0f / total;
+            const int64_t off = out_rows[b] * out_stride + h * dim;
+            if (bf16) {
+                uint16_t *o = (uint16_t *)out + off;
+                for (int64_t d = 0; d < dim; d++) o[d] = bf16_store(tmp[d] * inv);
+            } else {
+                float *o = (float *)out + off;
+                for (int64_t d = 0; d < dim; d++) o[d] = tmp[d] * inv;
+            }
+        }
+        free(offs);
+        free(buf);
+    }
+    free(scratch);
+}
+
+/* out = rms_norm(x (+= residual)) * weight; rows of `hidden` values, bf16 or fp32. In bf16, as LlamaRMSNorm: the
+   normalised row is rounded to bf16 before the weight multiply, whose product is rounded again. */
+void kvchat_rms_norm(void *x, const void *residual, const void *weight, void *out, int64_t rows, int64_t hidden,
+                     float eps, int bf16, int nthreads)
+{
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= 32)
+    for (int64_t r = 0; r < rows; r++) {
+        float sumsq = 0.0f;
+        if (bf16) {
+            uint16_t *xr = (uint16_t *)x + r * hidden;
+            const uint16_t *res = residual ? (const uint16_t *)residual + r * hidden : 0;
+            for (int64_t i = 0; i < hidden; i++) {
+                if (res) xr[i] = bf16_store(bf16_load(xr + i) + bf16_load(res + i));
+                const float v = bf16_load(xr + i);
+                sumsq += v * v;
+            }
+            const float rstd = 1.0f / __builtin_sqrtf(sumsq / (float)hidden + eps);
+            uint16_t *o = (uint16_t *)out + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) {
+                const uint16_t normed = bf16_store(bf16_load(xr + i) * rstd);
+                o[i] = bf16_store(bf16_load((const uint16_t *)weight + i) * bf16_load(&normed));
+            }
+        } else {
+            float *xr = (float *)x + r * hidden;
+            const float *res = residual ? (const float *)residual + r * hidden : 0;
+            for (int64_t i = 0; i < hidden; i++) {
+                if (res) xr[i] += res[i];
+                sumsq += xr[i] * xr[i];
+            }
+            const float rstd = 1.0f / __builtin_sqrtf(sumsq / (float)hidden + eps);
+            float *o = (float *)out + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) o[i] = ((const float *)weight)[i] * (xr[i] * rstd);
+        }
+    }
+}
+"""
+
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _build(cache_dir: Path) -> Path:
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc/cc) on PATH")
+    key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, *sorted(cpu_flags())]).encode()).hexdigest()[:16]
+    target = cache_dir / "kernels" / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        source = Path(tmp) / "paged_decode.c"
+        source.write_text(_SOURCE)
+        built = Path(tmp) / target.name
+        done = subprocess.run(
+            [compiler, *_FLAGS, str(source), "-o", str(built)], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (logged once) when it cannot be built or is disabled."""
+    if os.environ.get("KVCHAT_DISABLE_KERNELS") == "1":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(default_cache_dir())))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("paged decode kernel unavailable, using the torch path: %s", exc)
+        return None
+    fn = lib.kvchat_paged_decode
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr]
+    fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, i64]
+    fn.restype = None
+    norm = lib.kvchat_rms_norm
+    norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    norm.restype = None
+    return lib
+
+
+def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the kernel can take this query/cache pair (CPU, fp32 or bf16, contiguous pool rows)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and cache.dtype == q.dtype
+        and cache.is_contiguous()
+        and q.stride(-1) == 1
+        and q.stride(-2) == q.shape[-1]
+    )
+
+
+def rms_norm(
+    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``rms_norm(x) * weight`` over the last axis of a contiguous ``[rows, hidden]`` ``x`` (fp32 or bf16, as
+    ``weight``). With ``residual``, first ``x += residual`` in place (the residual stream of the next layer)."""
+    out = torch.empty_like(x)
+    res = 0 if residual is None else residual.data_ptr()
+    bf16 = int(x.dtype == torch.bfloat16)
+    lib.kvchat_rms_norm(
+        x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, bf16, torch.get_num_threads()
+    )
+    return out
+
+
+def norm_supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    same = residual is None or (residual.dtype == x.dtype and residual.is_contiguous())
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and (x.is_contiguous() and weight.is_contiguous() and same)
+    )
+
+
+def paged_decode(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    q_rows: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    out: torch.Tensor,
+    out_rows: torch.Tensor,
+    scale: float,
+) -> None:
+    """``out[out_rows[b]] = softmax(q[q_rows[b]] K_b^T * scale) V_b`` for every decode row ``b``.
+
+    ``q``/``out``: ``[rows, heads, D]`` (row stride free); caches: ``[blocks, block_size, kv_heads, D]``;
+    ``table``: int64 ``[B, max_blocks]``; ``lens``, ``q_rows``, ``out_rows``: int64 ``[B]``.
+    """
+    batch, max_blocks = table.shape
+    heads, dim = q.shape[-2:]
+    lib.kvchat_paged_decode(
+        q.data_ptr(),
+        q.stride(0),
+        q_rows.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.shape[1],
+        table.data_ptr(),
+        max_blocks,
+        lens.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        out_rows.data_ptr(),
+        batch,
+        heads,
+        k_cache.shape[2],
+        dim,
+        scale,
+        int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+        PART,
+    )

@@ -1,0 +1,100 @@
+"""The C paged-decode kernel against the pure-torch gather + SDPA path, and the fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from engine.model import cpu_kernels, paged_attention
+from engine.model.paged_attention import attend, build_plan
+
+needs_compiler = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler")
+
+
+def _case(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, lens: list[int], prefill: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, list[int]]]]:
+    """Random caches ``[blocks, 4, kv_heads, dim]``, queries, and shuffled block tables: one decode row per ``lens``
+    entry, plus one prefill chunk of ``prefill`` tokens (none when 0) in the middle of the batch."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, rng = 4, random.Random(seed)
+    seqs = [(length - 1, 1) for length in lens]
+    if prefill:
+        seqs.insert(len(seqs) // 2, (3, prefill))
+    free = list(range(sum(-(-(s + n) // bs) for s, n in seqs) + 2))
+    rng.shuffle(free)
+    items = []
+    for start, n in seqs:
+        used = -(-(start + n) // bs)
+        items.append((start, n, free[:used]))
+        del free[:used]
+    shape = (len(free) + sum(len(t) for _, _, t in items), bs, kv_heads, dim)
+    k, v = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(sum(n for _, n, _ in items), heads + 2 * kv_heads, dim, generator=gen).to(dtype)[:, :heads]
+    return q, k, v, items
+
+
+@needs_compiler
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "lens", "prefill"),
+    [
+        (9, 3, 64, [1], 0),
+        (9, 3, 64, [300, 7, 513, 256, 257], 0),  # several 256-token parts, uneven lengths
+        (4, 4, 128, [40, 3], 5),  # no GQA, a prefill chunk between the decode rows
+        (8, 1, 24, [600], 2),  # MQA, a head size that is not a multiple of 16
+    ],
+)
+def test_kernel_matches_torch_path(
+    dtype: torch.dtype, tol: float, heads: int, kv_heads: int, dim: int, lens: list[int], prefill: int
+) -> None:
+    assert cpu_kernels.load() is not None
+    q, k, v, items = _case(dtype, heads, kv_heads, dim, lens, prefill, seed=len(lens) + dim)
+    plan = build_plan(items, 4, torch.device("cpu"))
+    assert plan.kernel is not None
+    ours = attend(q, k, v, plan)
+    plan.kernel = None
+    ref = attend(q, k, v, plan)
+    assert ours.dtype == dtype
+    assert (ours.float() - ref.float()).abs().max().item() <= tol
+
+
+def test_missing_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    monkeypatch.setattr(cpu_kernels, "load", cpu_kernels.load.__wrapped__)
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert cpu_kernels.load() is None
+    monkeypatch.delenv("CC")
+    assert cpu_kernels.load() is None
+    q, k, v, items = _case(torch.float32, 4, 2, 8, [5, 9], 3, seed=0)
+    plan = build_plan(items, 4, torch.device("cpu"))
+    assert plan.kernel is None
+    assert attend(q, k, v, plan).shape == q.shape
+
+
+def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "load", cpu_kernels.load.__wrapped__)
+    monkeypatch.setenv("KVCHAT_DISABLE_KERNELS", "1")
+    assert paged_attention.cpu_kernels.load() is None
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_rms_norm_matches_transformers_rounding(dtype: torch.dtype, rows: int) -> None:
+    lib = cpu_kernels.load()
+    assert lib is not None
+    gen = torch.Generator().manual_seed(rows)
+    x, delta = (torch.randn(rows, 96, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.randn(96, generator=gen).to(dtype)
+    summed = x + delta
+    normed = summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    ref = weight * normed.to(dtype)  # LlamaRMSNorm
+    out = cpu_kernels.rms_norm(lib, x, weight, 1e-5, delta)
+    assert torch.equal(x, summed)  # the residual was added in place
+    ulp = 1e-6 if dtype == torch.float32 else 1e-2
+    assert (out.float() - ref.float()).abs().max().item() <= ulp * ref.float().abs().max().item()
