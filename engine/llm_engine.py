@@ -13,6 +13,7 @@ it runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -227,7 +228,8 @@ class LLMEngine:
         request_id: str | None = None,
         session: str | None = None,
     ) -> AsyncGenerator[GenerationEvent, None]:
-        """Stream ``TokenDelta`` events, then one ``RequestFinished``. Closing the iterator early aborts the request.
+        """Stream ``TokenDelta`` events (one per sampled token, then one with any text held back to the end), then one
+        ``RequestFinished``. Closing the iterator early aborts the request.
 
         Raises ``EngineBusy`` (admission), ``InvalidRequestError`` subclasses, ``EngineStopped``.
         """
@@ -237,7 +239,11 @@ class LLMEngine:
         queue: asyncio.Queue[GenerationEvent | EngineError] = asyncio.Queue()
 
         def sink(event: GenerationEvent | EngineError) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            # NOTE: the caller's loop may close before the step thread applies the abort its generator's finalizer
+            # queued; an event nobody can receive is dropped, never raised into the step thread (which would fail
+            # every other request in flight, or kill the thread).
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, event)
 
         rid = self.submit(prompt, params or SamplingParams(), namespace, sink, request_id, session)
         done = False
@@ -324,8 +330,12 @@ class LLMEngine:
         """Drive steps on the calling thread until no work is left (only when the loop thread is not running)."""
         if self.is_running:
             raise InvalidRequestError("run_until_idle() cannot be used while the step loop runs")
-        while self._step():
-            pass
+        try:
+            while self._step():
+                pass
+        except Exception:
+            self._fail_in_flight()
+            raise
 
     def generate_sync(
         self, prompts: Sequence[Prompt], params: SamplingParams, namespace: str = "default"
@@ -341,7 +351,16 @@ class LLMEngine:
             elif isinstance(event, EngineError):
                 errors.append(event)
 
-        ids = [self.submit(p, params, namespace, sink) for p in prompts]
+        ids: list[str] = []
+        try:
+            for prompt in prompts:
+                ids.append(self.submit(prompt, params, namespace, sink))
+        except EngineError:
+            # NOTE: all or nothing: the prompts already queued must not run later, in another call's batch.
+            for rid in ids:
+                self.abort(rid)
+            self.run_until_idle()
+            raise
         self.run_until_idle()
         if errors:
             raise errors[0]
@@ -356,9 +375,7 @@ class LLMEngine:
                 worked = self._step()
             except Exception:
                 log.exception("engine step failed; failing the requests in flight")
-                with self._lock:
-                    for rid in list(self._requests):
-                        self._finish_with_error(rid, EngineError("internal engine error (see the server log)"))
+                self._fail_in_flight()
                 worked = True
             if not worked:
                 self._wakeup.wait(0.1)
@@ -406,9 +423,10 @@ class LLMEngine:
                 reason = FinishReason.STOP
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.info.max_model_len:
                 reason = FinishReason.LENGTH
-        if text or reason is None:
-            req.pieces.append(text)
-            req.sink(TokenDelta(seq.request_id, (token,), text))
+        # NOTE: every sampled token is reported in exactly one delta, even when its text is empty (held back, or a
+        # stop token), so a stream's token ids always add up to the final event's.
+        req.pieces.append(text)
+        req.sink(TokenDelta(seq.request_id, (token,), text))
         if reason is not None:
             self._finish(req, reason, now)
 
@@ -449,6 +467,12 @@ class LLMEngine:
                 self._scheduler.abort(rid)
                 self._finish(req, FinishReason.ABORTED, now)
         self._pending_aborts.clear()
+
+    def _fail_in_flight(self) -> None:
+        """After a failed step: fail every request in flight, releasing its blocks, so the engine can serve on."""
+        with self._lock:
+            for rid in list(self._requests):
+                self._finish_with_error(rid, EngineError("internal engine error (see the server log)"))
 
     def _finish_with_error(self, request_id: str, error: EngineError) -> None:
         req = self._requests.pop(request_id, None)
