@@ -7,6 +7,7 @@ attend to them, because every attended position ``< start_pos + len`` was writte
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,10 @@ class ModelRunner:
         if config.num_threads is not None and config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         loaded = _load(config.model, config.device, config.dtype, config.cache_dir)
+        if config.quantization == "int8":
+            if loaded.device.type != "cpu":
+                raise InvalidRequestError("quantization='int8' (weight-only, CPU kernel) needs device='cpu'")
+            loaded = dataclasses.replace(loaded, weights=loaded.weights.quantized_int8())
         blocks = num_blocks_for_budget(loaded.spec, config.max_kv_memory_mb, config.block_size, loaded.dtype)
         return cls(loaded, blocks, config.block_size, max_model_len=config.max_model_len)
 

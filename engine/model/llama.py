@@ -8,6 +8,7 @@ the LM head runs only on the rows whose logits are needed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from engine.errors import ModelLoadError
 from engine.model import cpu_kernels
 from engine.model.paged_attention import AttentionPlan, attend, write_kv
+from engine.model.quant import Weight, linear, quantize
 from engine.model.spec import ModelSpec, RopeSpec
 
 TensorGetter = Callable[[str], torch.Tensor | None]
@@ -26,15 +28,15 @@ TensorGetter = Callable[[str], torch.Tensor | None]
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv: Weight  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     o_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # Qwen3
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Weight  # [2 * intermediate, hidden]
+    down: Weight
 
 
 @dataclass(slots=True)
@@ -42,7 +44,7 @@ class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor  # the same tensor as ``embed`` when the embeddings are tied
+    lm_head: Weight  # the same tensor as ``embed`` when the embeddings are tied (unless quantized)
 
     @classmethod
     def from_tensors(cls, spec: ModelSpec, get: TensorGetter, dtype: torch.dtype, device: torch.device) -> ModelWeights:
@@ -62,6 +64,18 @@ class ModelWeights:
             lm_head = need("lm_head.weight", (spec.vocab_size, spec.hidden_size))
         layers = [_layer(spec, f"model.layers.{i}.", need, get, dtype, device) for i in range(spec.num_layers)]
         return cls(embed, layers, need("model.norm.weight", (spec.hidden_size,)), lm_head)
+
+    def quantized_int8(self) -> ModelWeights:
+        """The same model with every linear layer (and the LM head) as weight-only int8 (see ``quant.py``)."""
+
+        def q(w: Weight) -> Weight:
+            return w if not isinstance(w, torch.Tensor) else quantize(w)
+
+        layers = [
+            dataclasses.replace(layer, qkv=q(layer.qkv), o=q(layer.o), gate_up=q(layer.gate_up), down=q(layer.down))
+            for layer in self.layers
+        ]
+        return ModelWeights(self.embed, layers, self.norm, q(self.lm_head))
 
 
 def _layer(
@@ -154,7 +168,7 @@ class LlamaModel:
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         x = self._norm(x, self.weights.norm)
-        return F.linear(x, self.weights.lm_head).float()
+        return linear(x, self.weights.lm_head).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and cpu_kernels.norm_supported(x, weight, None):
@@ -182,7 +196,7 @@ class LlamaModel:
         spec = self.spec
         n, heads, kv_heads, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
         h = self._norm(x, w.input_norm)
-        qkv = F.linear(h, w.qkv, w.qkv_bias)
+        qkv = linear(h, w.qkv, w.qkv_bias)
         qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
         v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
         if w.q_norm is not None and w.k_norm is not None:
@@ -197,9 +211,9 @@ class LlamaModel:
         q, k = qk[:, :heads], qk[:, heads:]
         write_kv(kv[0], kv[1], plan, k, v)
         attn = attend(q, kv[0], kv[1], plan).reshape(n, heads * d)
-        x, h = self._add_norm(x, F.linear(attn, w.o, w.o_bias), w.post_norm)
-        gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.down)
+        x, h = self._add_norm(x, linear(attn, w.o, w.o_bias), w.post_norm)
+        gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, w.down)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
