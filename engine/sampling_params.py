@@ -36,6 +36,10 @@ class SamplingParams:
         def bad(msg: str) -> InvalidSamplingParamsError:
             return InvalidSamplingParamsError(msg)
 
+        for name in ("max_tokens", "top_k", "seed", "min_tokens"):
+            if isinstance(getattr(self, name), bool):  # NOTE: bool is an int subclass; True is not a token count
+                raise bad(f"{name} must be an integer, got {getattr(self, name)!r}")
+
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:

@@ -165,3 +165,9 @@ def test_batch_shape_mismatch_is_rejected(sampler: Sampler) -> None:
 def test_invalid_params_are_rejected(params: dict[str, object]) -> None:
     with pytest.raises(InvalidSamplingParamsError):
         SamplingParams(**params)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "top_k", "seed", "min_tokens"])
+def test_bools_are_not_integers_for_sampling_params(field: str) -> None:
+    with pytest.raises(InvalidSamplingParamsError, match=f"{field} must be an integer"):
+        SamplingParams(**{field: True})
