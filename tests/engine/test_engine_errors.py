@@ -25,6 +25,7 @@ from engine.errors import (
 from engine.llm_engine import LLMEngine
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished
 from engine.sampling_params import SamplingParams
+from support.engines import make_engine, one_intra_op_thread
 
 NS = "errors"  # nothing this module caches is shared with other modules' requests
 PROBE = [200 + i % 50 for i in range(37)]
@@ -32,23 +33,9 @@ PARAMS = SamplingParams(max_tokens=4)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    """NOTE: the tiny model gains nothing from intra-op threads, and on busy cores every small op then waits at an
-    OpenMP barrier (a 50-token SDPA took 10 ms instead of 35 us with 2 threads); restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
-    options: dict[str, Any] = {
-        "model": str(model_dir),
-        "dtype": "float32",
-        "device": "cpu",
-        "max_kv_memory_mb": 8,
-    }
-    return LLMEngine(EngineConfig(**(options | overrides)))
+def _one_intra_op_thread() -> Iterator[None]:
+    with one_intra_op_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import FinishReason, RequestFinished
 from engine.sampling_params import SamplingParams
+from support.engines import make_engine, one_intra_op_thread
 
 BS = 16
 MAX_TOKENS = 8
@@ -29,27 +28,15 @@ FIRST_ID = 3  # token ids below are the tokenizer's special tokens
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    """NOTE: the tiny model gains nothing from intra-op threads, and on busy cores every small op then waits at an
-    OpenMP barrier (a 50-token SDPA took 10 ms instead of 35 us with 2 threads); restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_intra_op_thread() -> Iterator[None]:
+    with one_intra_op_thread():
+        yield
 
 
-def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
+def make_wide_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
     # NOTE: wide batches keep the step count (and so the runtime) low; batch composition must not change any token.
-    options: dict[str, Any] = {
-        "model": str(model_dir),
-        "dtype": "float32",
-        "device": "cpu",
-        "max_kv_memory_mb": 32,
-        "max_num_seqs": 256,
-        "max_num_batched_tokens": 4096,
-        "max_waiting": 1024,
-    }
-    engine = LLMEngine(EngineConfig(**(options | overrides)))
+    wide: dict[str, Any] = {"max_kv_memory_mb": 32, "max_num_seqs": 256, "max_num_batched_tokens": 4096}
+    engine = make_engine(model_dir, **(wide | {"max_waiting": 1024} | overrides))
     engine.load()
     return engine
 
@@ -57,12 +44,12 @@ def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
 @pytest.fixture(scope="module")
 def cold(tiny_model_dir: Path) -> LLMEngine:
     """The reference: no prefix caching, a pool large enough that nothing is ever preempted."""
-    return make_engine(tiny_model_dir, enable_prefix_caching=False)
+    return make_wide_engine(tiny_model_dir, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
 def shared_warm(tiny_model_dir: Path) -> LLMEngine:
-    return make_engine(tiny_model_dir)
+    return make_wide_engine(tiny_model_dir)
 
 
 def run_cold(cold: LLMEngine, prompts: list[list[int]]) -> list[RequestFinished]:
@@ -106,7 +93,7 @@ BOUNDARY_SHARES = [1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64]
 
 
 def test_prefix_hits_are_token_identical_to_cold_runs(tiny_model_dir: Path, cold: LLMEngine) -> None:
-    warm = make_engine(tiny_model_dir)
+    warm = make_wide_engine(tiny_model_dir)
     vocab = warm.info.vocab_size
     rng = random.Random(20240611)
     firsts = iter(rng.sample(range(FIRST_ID, vocab), vocab - FIRST_ID))
@@ -185,7 +172,7 @@ def test_cached_tokens_at_block_boundaries(
 
 def test_mixed_batch_with_chunked_prefill_equals_each_request_alone(tiny_model_dir: Path, cold: LLMEngine) -> None:
     budget = 64
-    warm = make_engine(tiny_model_dir, max_num_batched_tokens=budget)
+    warm = make_wide_engine(tiny_model_dir, max_num_batched_tokens=budget)
     vocab = warm.info.vocab_size
     rng = random.Random(7)
     firsts = iter(rng.sample(range(FIRST_ID, vocab), 16))
@@ -225,7 +212,7 @@ def test_preemption_by_recompute_yields_the_same_tokens(
     # 1 MiB holds 128 blocks of 16 tokens (512 bytes of K/V per token). 16 prompts of 110 tokens take 112 blocks once
     # admitted and 144 at 24 generated tokens, so running sequences must be preempted and recomputed.
     params = SamplingParams(max_tokens=24)
-    small = make_engine(tiny_model_dir, max_kv_memory_mb=1, enable_prefix_caching=prefix_caching)
+    small = make_wide_engine(tiny_model_dir, max_kv_memory_mb=1, enable_prefix_caching=prefix_caching)
     assert small.info.num_blocks == 128
     vocab = small.info.vocab_size
     rng = random.Random(99)

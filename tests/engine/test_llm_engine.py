@@ -15,17 +15,15 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
-import torch
 
-from engine.config import EngineConfig
 from engine.errors import EngineBusy, EngineError
 from engine.llm_engine import LLMEngine
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, TokenDelta
 from engine.sampling_params import SamplingParams
+from support.engines import make_engine, one_intra_op_thread
 
 BS = 16
 FIRST_ID = 3  # ids below are the tokenizer's special tokens
@@ -38,23 +36,9 @@ def fresh(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread() -> Iterator[None]:
-    """NOTE: the tiny model gains nothing from intra-op threads, and on busy cores every small op then waits at an
-    OpenMP barrier (a 50-token SDPA took 10 ms instead of 35 us with 2 threads); restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
-    options: dict[str, Any] = {
-        "model": str(model_dir),
-        "dtype": "float32",
-        "device": "cpu",
-        "max_kv_memory_mb": 8,
-    }
-    return LLMEngine(EngineConfig(**(options | overrides)))
+def _one_intra_op_thread() -> Iterator[None]:
+    with one_intra_op_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
