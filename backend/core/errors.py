@@ -1,14 +1,13 @@
 """Errors raised by the backend's services, mapped once at each boundary (websocket frames, HTTP statuses).
 
-    BackendError                   code            HTTP   websocket
-    ├── UnauthorizedError          unauthorized    401    close 4401
-    ├── SessionNotFoundError       session_not_found 404  close 4404 (on hello) / error frame
-    ├── SessionClosedError         session_closed  409    error frame
-    ├── InvalidInputError          invalid_request 400    error frame
-    └── RateLimitedError           rate_limited    429    error frame (with retry_after_ms)
+    BackendError                   code               HTTP   websocket
+    ├── SessionNotFoundError       session_not_found  404    close 4404 (on hello) / error frame
+    └── SessionClosedError         session_closed     409    error frame
 
-Engine errors (``engine.errors``) are mapped by ``engine_error_code`` below: busy → ``busy`` (HTTP 503 + Retry-After),
-prompt too long / invalid params → ``invalid_request`` (400), engine stopped → ``unavailable`` (503).
+Authentication failures are answered at the boundary itself (401 / close 4401). Engine errors (``engine.errors``)
+are mapped by ``engine_error_code`` below: busy → ``busy`` (websocket error frame with ``retry_after_ms``; HTTP 503 +
+Retry-After), prompt too long → ``prompt_too_long``, invalid params → ``invalid_request``, engine stopped →
+``unavailable``. The OpenAI-compatible API maps them to OpenAI's error shape in ``backend/openai/errors.py``.
 """
 
 from __future__ import annotations
@@ -21,11 +20,6 @@ class BackendError(Exception):
     status = 500
 
 
-class UnauthorizedError(BackendError):
-    code = "unauthorized"
-    status = 401
-
-
 class SessionNotFoundError(BackendError):
     code = "session_not_found"
     status = 404
@@ -34,20 +28,6 @@ class SessionNotFoundError(BackendError):
 class SessionClosedError(BackendError):
     code = "session_closed"
     status = 409
-
-
-class InvalidInputError(BackendError):
-    code = "invalid_request"
-    status = 400
-
-
-class RateLimitedError(BackendError):
-    code = "rate_limited"
-    status = 429
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 def engine_error_code(exc: EngineError) -> str:
