@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from functools import cached_property
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -39,6 +39,7 @@ class Settings(BaseSettings):
     engine_device: str = "auto"
     engine_dtype: str = "auto"
     max_kv_memory_mb: int = Field(default=512, ge=1)
+    engine_quantization: Literal["int8"] | None = None
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=1024, ge=1)
     max_waiting: int = Field(default=256, ge=0)
@@ -71,6 +72,7 @@ class Settings(BaseSettings):
             device=self.engine_device,
             dtype=self.engine_dtype,
             max_kv_memory_mb=self.max_kv_memory_mb,
+            quantization=self.engine_quantization,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_waiting=self.max_waiting,
