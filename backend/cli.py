@@ -23,11 +23,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _migrate(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
     from backend.db import migrate
 
     url = Settings().resolved_database_url
     print(f"migrating {_redact(url)} to {args.revision}", flush=True)
-    migrate.upgrade(url, args.revision)
+    try:
+        migrate.upgrade(url, args.revision)
+    except (SQLAlchemyError, OSError) as exc:
+        # NOTE: a wrong URL, a database that is down or a read-only data dir: one clear line, not a traceback.
+        print(f"error: cannot migrate {_redact(url)}: {getattr(exc, 'orig', None) or exc}", file=sys.stderr)
+        return 1
     print("migrations done", flush=True)
     return 0
 
@@ -75,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # NOTE: alembic announces each of its plugins at INFO on every run; only the migrations themselves matter.
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+
+from backend.db.engine import ensure_sqlite_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,8 +22,7 @@ def alembic_config(url: str) -> Config:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Upgrade the database at ``url``. Blocking (Alembic's env runs its own event loop): call via a thread."""
-    # NOTE: alembic announces each of its plugins at INFO on every start; only the migrations themselves matter.
-    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+    ensure_sqlite_dir(url)
     command.upgrade(alembic_config(url), revision)
 
 
