@@ -30,7 +30,7 @@ from engine.sequence import Sequence, SequenceStatus
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = 2048
     max_waiting: int = 256
     block_size: int = 16
     # NOTE: a constant retry hint: the queue drains at a rate that depends on prompt and output lengths the caller

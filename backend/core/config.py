@@ -41,7 +41,7 @@ class Settings(BaseSettings):
     max_kv_memory_mb: int = Field(default=512, ge=1)
     engine_quantization: Literal["int8"] | None = None
     max_num_seqs: int = Field(default=32, ge=1)
-    max_num_batched_tokens: int = Field(default=1024, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_waiting: int = Field(default=256, ge=0)
     model_cache_dir: str | None = None
     # Replies

@@ -287,7 +287,7 @@ def test_scheduler_config_validation() -> None:
     config = SchedulerConfig.from_engine_config(EngineConfig(max_num_seqs=3, max_waiting=5))
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting, config.block_size) == (
         3,
-        1024,
+        2048,
         5,
         16,
     )
