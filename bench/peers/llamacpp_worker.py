@@ -14,24 +14,13 @@ patched before the model loads.
 
 from __future__ import annotations
 
-import json
 import queue
 import resource
 import sys
 import threading
 from typing import Any
 
-
-def emit(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
-
-
-def read_stdin(inbox: queue.Queue[dict[str, Any] | None]) -> None:
-    for line in sys.stdin:
-        if line.strip():
-            inbox.put(json.loads(line))
-    inbox.put(None)
+from worker_io import emit, read_stdin  # next to this script (runs in the peer's venv)
 
 
 def _disable_extra_bufts() -> None:

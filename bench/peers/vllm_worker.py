@@ -8,7 +8,6 @@ so every system generates exactly ``max_tokens``. The engine core runs in this p
 
 from __future__ import annotations
 
-import json
 import queue
 import resource
 import sys
@@ -16,17 +15,7 @@ import threading
 import time
 from typing import Any
 
-
-def emit(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
-
-
-def read_stdin(inbox: queue.Queue[dict[str, Any] | None]) -> None:
-    for line in sys.stdin:
-        if line.strip():
-            inbox.put(json.loads(line))
-    inbox.put(None)
+from worker_io import emit, read_stdin  # next to this script (runs in the peer's venv)
 
 
 class Worker:
