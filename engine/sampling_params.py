@@ -48,8 +48,8 @@ class SamplingParams:
             raise bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise bad(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
             raise bad(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):

@@ -161,16 +161,17 @@ class ChatConnection:
 
     async def _read_loop(self) -> None:
         while True:
-            frame = self._parse(await self._receive_text())
-            if frame is None:
-                continue
+            data = await self._receive_text()
+            # NOTE: every frame counts, malformed ones too: otherwise a client could flood us with error replies.
             wait = self.bucket.take()
             if wait > 0:
                 self.send(
                     ErrorFrame(code="rate_limited", message="too many frames", retry_after_ms=int(wait * 1000) + 1)
                 )
                 continue
-            await self._dispatch(frame)
+            frame = self._parse(data)
+            if frame is not None:
+                await self._dispatch(frame)
 
     async def _dispatch(self, frame: Hello | UserMessage | Cancel | Ping) -> None:
         assert self.tenant is not None and self.session_id is not None

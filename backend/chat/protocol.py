@@ -40,7 +40,7 @@ class Hello(_Frame):
     type: Literal["hello"]
     token: str = Field(min_length=1, max_length=512)
     session_id: str | None = Field(default=None, max_length=64)
-    last_seq: int = Field(default=0, ge=0)
+    last_seq: int = Field(default=0, ge=0, le=2**31 - 1)  # seq is a 32-bit column
     external_ref: str | None = Field(default=None, max_length=200)
 
 

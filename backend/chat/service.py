@@ -102,7 +102,8 @@ class ChatService:
         self.hub = hub
         self.reply = reply or ReplyConfig()
         self._turns: dict[tuple[str, str], Turn] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks: dict[str, asyncio.Lock] = {}  # turns of a session run one at a time
+        self._submit_locks: dict[str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ sessions
 
@@ -137,6 +138,8 @@ class ChatService:
             self.release_cache(session_id)
 
     def release_cache(self, session_id: str) -> None:
+        self._locks.pop(session_id, None)  # a closed or deleted session starts no more turns
+        self._submit_locks.pop(session_id, None)
         freed = self._engine.release_session(session_id)
         log.info("released the engine cache of session %s (%d blocks)", session_id, freed)
 
@@ -153,6 +156,12 @@ class ChatService:
 
     async def submit(self, tenant: Tenant, session_id: str, frame: UserMessage, reply_to: Send) -> None:
         """Handle one ``user.message``; returns once the message is stored (the reply streams in the background)."""
+        # NOTE: one submit per session at a time, so a retried client_msg_id racing its original (another socket of
+        # the same session) sees the turn the original started instead of starting a second one.
+        async with self._submit_locks.setdefault(session_id, asyncio.Lock()):
+            await self._submit(tenant, session_id, frame, reply_to)
+
+    async def _submit(self, tenant: Tenant, session_id: str, frame: UserMessage, reply_to: Send) -> None:
         async with self._sm() as db:
             session = await store.get_session(db, tenant.id, session_id)
             if session.status == SessionStatus.CLOSED.value:
@@ -214,8 +223,9 @@ class ChatService:
     async def _generate_and_store(self, turn: Turn) -> None:
         finished: RequestFinished | None = None
         try:
-            if not turn.cancelled:
-                finished = await self._generate(turn, await self._prompt(turn))
+            prompt = await self._prompt(turn)
+            if not turn.cancelled:  # NOTE: checked after the awaits above too: a cancel may arrive meanwhile
+                finished = await self._generate(turn, prompt)
         except EngineError as exc:
             self.hub.publish(turn.session_id, _error_frame(exc, turn.client_msg_id))
             if turn.parts:
@@ -242,7 +252,9 @@ class ChatService:
             ),
             key=_conversation_order,
         )
-        budget = self._engine.info.max_model_len - self.reply.max_tokens
+        info = self._engine.info
+        # NOTE: the engine refuses prompts larger than its KV pool too, not only beyond the model's context.
+        budget = min(info.max_model_len, info.num_blocks * info.block_size) - self.reply.max_tokens
         return build_prompt(turn.system_prompt, history, lambda msgs: len(self._engine.tokenize(msgs)), budget)
 
     async def _generate(self, turn: Turn, prompt: list[ChatMessage]) -> RequestFinished | None:

@@ -68,6 +68,9 @@ async def find_reply(db: AsyncSession, session_id: str, user_seq: int) -> Messag
 
 
 async def _lock_session(db: AsyncSession, session_id: str) -> ChatSession:
+    # NOTE: a write first: it takes SQLite's database write lock (FOR UPDATE is a no-op there and the driver opens the
+    # transaction lazily), and the row lock on Postgres, so two inserts into one session never read the same max(seq).
+    await db.execute(update(ChatSession).where(ChatSession.id == session_id).values(last_active_at=utcnow()))
     row = await db.execute(select(ChatSession).where(ChatSession.id == session_id).with_for_update())
     session = row.scalar_one_or_none()
     if session is None:

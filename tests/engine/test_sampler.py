@@ -171,3 +171,9 @@ def test_invalid_params_are_rejected(params: dict[str, object]) -> None:
 def test_bools_are_not_integers_for_sampling_params(field: str) -> None:
     with pytest.raises(InvalidSamplingParamsError, match=f"{field} must be an integer"):
         SamplingParams(**{field: True})
+
+
+def test_seed_must_fit_a_64_bit_generator() -> None:
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    with pytest.raises(InvalidSamplingParamsError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+        SamplingParams(seed=2**64)

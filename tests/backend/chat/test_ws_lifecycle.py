@@ -65,6 +65,29 @@ async def test_rate_limit_answers_with_an_error_and_keeps_the_socket(make_server
     assert limited[0]["retry_after_ms"] > 0
 
 
+async def test_malformed_frames_count_against_the_rate_limit(make_server: Any) -> None:
+    live = make_server(ws_rate_per_second=1.0, ws_rate_burst=2)
+    async with websockets.connect(live.ws) as ws:
+        chat = Chat(ws)
+        await chat.hello()
+        for _ in range(4):
+            await ws.send("{not json")
+        codes = [(await chat.recv())["code"] for _ in range(4)]
+    assert codes[:2] == ["bad_json", "bad_json"]
+    assert "rate_limited" in codes[2:]
+
+
+async def test_hello_with_an_absurd_last_seq_is_refused_cleanly(make_server: Any) -> None:
+    live = make_server()
+    async with websockets.connect(live.ws) as ws:
+        session_id = (await Chat(ws).hello())["session_id"]
+    async with websockets.connect(live.ws) as ws:
+        await ws.send(json.dumps({"type": "hello", "token": CHAT_TOKEN, "session_id": session_id, "last_seq": 10**30}))
+        err = json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT))
+        assert (err["type"], err["code"]) == ("error", "invalid_frame")
+        assert await _closed_code(ws) == 4401
+
+
 async def test_connection_cap_per_tenant_closes_1013(make_server: Any) -> None:
     live = make_server(max_connections_per_tenant=1)
     async with websockets.connect(live.ws) as first:
