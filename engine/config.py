@@ -37,7 +37,7 @@ class EngineConfig:
             "max_kv_memory_mb": self.max_kv_memory_mb >= 1,
             "max_num_seqs": self.max_num_seqs >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
-            "max_waiting": self.max_waiting >= 0,
+            "max_waiting": self.max_waiting >= 1,  # every request passes through the waiting queue
         }
         for name, ok in checks.items():
             if not ok:

@@ -288,6 +288,8 @@ class LLMEngine:
             if rid in self._requests:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight")
             self._scheduler.add(seq)
+            if session is not None:
+                self._released_sessions.pop(session, None)  # a reopened session is recorded again
             self._requests[rid] = _Request(seq, state, detok, sink, session)
         self._wakeup.set()
         return rid
@@ -341,6 +343,8 @@ class LLMEngine:
         self, prompts: Sequence[Prompt], params: SamplingParams, namespace: str = "default"
     ) -> list[RequestFinished]:
         """Submit all prompts at once, run them in one continuous batch, return their results in order."""
+        if self.is_running:
+            raise InvalidRequestError("generate_sync() cannot be used while the step loop runs; use generate()")
         self.load()
         results: dict[str, RequestFinished] = {}
         errors: list[EngineError] = []

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidSamplingParamsError
 
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -30,7 +32,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # NOTE: below 1e-5 the logits / temperature overflow to inf and sampling turns into NaN; that is argmax anyway.
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidSamplingParamsError:

@@ -41,7 +41,7 @@ class SchedulerConfig:
         checks = {
             "max_num_seqs": self.max_num_seqs >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
-            "max_waiting": self.max_waiting >= 0,
+            "max_waiting": self.max_waiting >= 1,
             "block_size": self.block_size >= 1,
             "retry_after_s": self.retry_after_s >= 0,
         }
@@ -64,7 +64,7 @@ class ScheduledSeq:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.all_token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+        return self.seq.token_slice(self.start_pos, self.start_pos + self.num_new_tokens)
 
 
 @dataclass(slots=True)
@@ -170,7 +170,8 @@ class Scheduler:
             end = item.start_pos + item.num_new_tokens
             seq.num_computed_tokens = end
             seq.num_prefilled_tokens += max(0, min(end, seq.num_prompt_tokens) - item.start_pos)
-            self.kv.cache_full_blocks(seq.request_id, seq.root, seq.all_token_ids, end)
+            if end // self.config.block_size > item.start_pos // self.config.block_size:  # a block became full
+                self.kv.cache_full_blocks(seq.request_id, seq.root, seq.all_token_ids, end)
 
     postprocess = update_after_step
 

@@ -42,7 +42,7 @@ class Settings(BaseSettings):
     engine_quantization: Literal["int8"] | None = None
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
-    max_waiting: int = Field(default=256, ge=0)
+    max_waiting: int = Field(default=256, ge=1)
     model_cache_dir: str | None = None
     # Replies
     reply_max_tokens: int = Field(default=256, ge=1)

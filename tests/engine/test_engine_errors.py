@@ -131,7 +131,7 @@ BAD_PARAMS = [
     ({"top_k": -1}, r"^top_k must be an integer >= 0 \(0 disables it\), got -1$"),
     ({"top_p": 0.0}, r"^top_p must be in \(0, 1\], got 0\.0$"),
     ({"top_p": 1.5}, r"^top_p must be in \(0, 1\], got 1\.5$"),
-    ({"seed": -3}, r"^seed must be a non-negative integer, got -3$"),
+    ({"seed": -3}, r"^seed must be an integer in \[0, 2\*\*64\), got -3$"),
     ({"min_tokens": 5, "max_tokens": 4}, r"^min_tokens must be in \[0, max_tokens=4\], got 5$"),
     ({"stop_token_ids": (3, -1)}, r"^stop_token_ids must be non-negative integers$"),
     ({"stop": ("",)}, r"^stop strings must be non-empty strings$"),
@@ -304,3 +304,16 @@ def test_random_valid_prompts_still_work_after_errors(tiny_model_dir: Path, prob
         assert engine.generate_sync([good], PARAMS, NS)[0].finish_reason is FinishReason.LENGTH
     assert engine.generate_sync([PROBE], PARAMS, NS)[0].token_ids == probe_tokens
     assert engine.stats().requests_finished == len(bad) + 1
+
+
+def test_max_waiting_zero_is_refused_at_config_time() -> None:
+    with pytest.raises(InvalidRequestError, match="max_waiting=0"):
+        EngineConfig(max_waiting=0)
+
+
+def test_generate_sync_on_a_running_engine_queues_nothing(tiny_engine: LLMEngine) -> None:
+    before = tiny_engine.stats()
+    with pytest.raises(InvalidRequestError, match="cannot be used while the step loop runs"):
+        tiny_engine.generate_sync([PROBE], PARAMS, NS)
+    after = tiny_engine.stats()
+    assert (after.running, after.waiting, after.requests_finished) == (0, 0, before.requests_finished)

@@ -177,3 +177,11 @@ def test_seed_must_fit_a_64_bit_generator() -> None:
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
     with pytest.raises(InvalidSamplingParamsError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
         SamplingParams(seed=2**64)
+
+
+def test_a_tiny_temperature_is_greedy_not_nan() -> None:
+    sampler = Sampler()
+    logits = torch.tensor([[0.0, 3.0, 1.0, -2.0]])
+    state = sampler.new_state(SamplingParams(temperature=1e-40), eos_token_ids=())
+    assert state.params.greedy
+    assert sampler.sample(logits, [state]) == [1]

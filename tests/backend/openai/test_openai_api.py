@@ -308,12 +308,23 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_blocks(live: LiveS
 
 @pytest.fixture
 def busy_engine(tiny_model_dir: Path) -> Iterator[LLMEngine]:
-    """An engine whose waiting queue holds nothing: every request is refused as busy."""
+    """An engine with one long request running and one waiting (max 1 each): the next request is refused as busy."""
     engine = LLMEngine(
-        EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", max_kv_memory_mb=2, max_waiting=0)
+        EngineConfig(
+            model=str(tiny_model_dir), dtype="float32", device="cpu", max_kv_memory_mb=2, max_num_seqs=1, max_waiting=1
+        )
     )
     asyncio.run(engine.start())
+    long = SamplingParams(max_tokens=1500, ignore_eos=True)
+    first = engine.submit([5, 6, 7], long, "busy", lambda _event: None)
+    deadline = time.monotonic() + TIMEOUT
+    while engine.stats().running != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    second = engine.submit([8, 9, 10], long, "busy", lambda _event: None)
     yield engine
+    engine.abort(first)
+    engine.abort(second)
     asyncio.run(engine.stop())
 
 
