@@ -8,14 +8,11 @@ from pathlib import Path
 import pytest
 
 from engine.llm_engine import LLMEngine
-from support.server import LiveServer, server_settings, start_server, stop_server
+from support.server import LiveServer, server_settings, serving
 
 
 @pytest.fixture
 def live_server(db_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveServer]:
     """A real server (uvicorn + websockets) on SQLite and on Postgres, each with a fresh database."""
-    live = start_server(server_settings(db_url, tmp_path), tiny_engine)
-    try:
+    with serving(server_settings(db_url, tmp_path), tiny_engine) as live:
         yield live
-    finally:
-        stop_server(live)

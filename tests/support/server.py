@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +64,16 @@ def start_server(settings: Settings, engine: LLMEngine) -> LiveServer:
 def stop_server(live: LiveServer) -> None:
     live.server.should_exit = True
     live.thread.join(30)
+
+
+@contextmanager
+def serving(settings: Settings, engine: LLMEngine) -> Iterator[LiveServer]:
+    """A started server for the ``with`` block, stopped afterwards."""
+    live = start_server(settings, engine)
+    try:
+        yield live
+    finally:
+        stop_server(live)
 
 
 def server_settings(database_url: str, tmp_path: Path, **overrides: object) -> Settings:

@@ -20,7 +20,16 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestFinished
 from engine.sampling_params import SamplingParams
-from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session, server_settings, start_server, stop_server
+from support.server import (
+    ADMIN_KEY,
+    CHAT_TOKEN,
+    LiveServer,
+    db_session,
+    server_settings,
+    serving,
+    start_server,
+    stop_server,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -34,11 +43,8 @@ CONVERSATION = [
 @pytest.fixture
 def live(sqlite_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveServer]:
     """A real server on SQLite (the API keeps no rows; ``test_openai_client_*`` also runs on Postgres)."""
-    server = start_server(server_settings(sqlite_url, tmp_path), tiny_engine)
-    try:
+    with serving(server_settings(sqlite_url, tmp_path), tiny_engine) as server:
         yield server
-    finally:
-        stop_server(server)
 
 
 @pytest.fixture
