@@ -29,6 +29,10 @@ class EngineConfig:
     quantization: str | None = (
         None  # None, or "int8": weight-only int8 on CPU (faster decode, slightly different outputs)
     )
+    # NOTE: lossless: a GGUF-converted model's linear layers also keep their quantized blocks, which few-row matmuls
+    # (decode steps) read instead of the dense weights; they are used only where they reproduce the dense weights
+    # exactly (engine/model/packed.py). False = dense weights only.
+    packed_weights: bool = True
     cache_dir: str | None = None  # where converted models are kept; default ~/.cache/kvchat
 
     def __post_init__(self) -> None:

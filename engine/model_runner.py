@@ -55,10 +55,11 @@ class ModelRunner:
         dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
         cache_dir: str | None = None,
+        packed_weights: bool = True,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise InvalidRequestError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
-        self.loaded = _load(model, device, dtype, cache_dir)
+        self.loaded = _load(model, device, dtype, cache_dir, packed_weights)
         self.spec = self.loaded.spec
         self.device = self.loaded.device
         self.dtype = self.loaded.dtype
@@ -77,7 +78,7 @@ class ModelRunner:
         """Load ``config.model`` and size the KV pool from ``config.max_kv_memory_mb``."""
         if config.num_threads is not None and config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        loaded = _load(config.model, config.device, config.dtype, config.cache_dir)
+        loaded = _load(config.model, config.device, config.dtype, config.cache_dir, config.packed_weights)
         if config.quantization == "int8":
             if loaded.device.type != "cpu":
                 raise InvalidRequestError("quantization='int8' (weight-only, CPU kernel) needs device='cpu'")
@@ -162,9 +163,10 @@ def _load(
     device: str | torch.device,
     dtype: str | torch.dtype,
     cache_dir: str | None,
+    packed_weights: bool,
 ) -> LoadedModel:
     if isinstance(model, LoadedModel):
         return model
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(str(model), cache_dir)
     dev = device if isinstance(device, torch.device) else resolve_device(device)
-    return load_model(resolved.path, dev, resolve_dtype(dtype, dev), resolved.fingerprint)
+    return load_model(resolved.path, dev, resolve_dtype(dtype, dev), resolved.fingerprint, packed_weights)

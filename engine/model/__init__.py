@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine.model import gguf_blocks
 from engine.model.llama import LlamaModel, ModelWeights
 from engine.model.loader import ResolvedModel, eos_token_ids, open_checkpoint, read_config, resolve_model
 from engine.model.spec import ModelSpec
@@ -36,11 +37,29 @@ class LoadedModel:
         return LlamaModel(self.spec, self.weights, max_len, self.device)
 
 
-def load_model(folder: Path, device: torch.device, dtype: torch.dtype, fingerprint: str | None = None) -> LoadedModel:
-    """Read config + safetensors of ``folder`` into fused weights on ``device`` in ``dtype``."""
+def load_model(
+    folder: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    fingerprint: str | None = None,
+    packed_weights: bool = True,
+) -> LoadedModel:
+    """Read config + safetensors of ``folder`` into fused weights on ``device`` in ``dtype``; on CPU, linear layers
+    whose GGUF blocks were kept (``gguf_blocks``) are also packed, unless ``packed_weights`` is False."""
     started = time.monotonic()
     spec = ModelSpec.from_hf_config(read_config(folder))
     with open_checkpoint(folder) as get:
         weights = ModelWeights.from_tensors(spec, get, dtype, device)
-    log.info("loaded %s (%s, %s) in %.1fs", folder, spec.model_type, dtype, time.monotonic() - started)
+    if packed_weights and device.type == "cpu":
+        blocks = gguf_blocks.read(folder)
+        if blocks:
+            weights = weights.with_packed(blocks)
+    log.info(
+        "loaded %s (%s, %s, %d packed weights) in %.1fs",
+        folder,
+        spec.model_type,
+        dtype,
+        weights.num_packed,
+        time.monotonic() - started,
+    )
     return LoadedModel(spec, weights, folder, eos_token_ids(folder, spec), device, dtype, fingerprint)

@@ -263,6 +263,49 @@ void kvchat_paged_decode(
     free(scratch);
 }
 
+/* RoPE on the q and k heads of a fused qkv row (rotate-half form, as transformers: x * cos + rotate_half(x) * sin,
+   with `rope` rows = [cos | signed sin] per position), then q rotated in place and k, v stored into their pool slots.
+   In bf16 every product and the sum are rounded to bf16, as torch's bf16 ops do. */
+void kvchat_rope_store(void *qkv, int64_t stride, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim,
+                       const void *rope, const int64_t *pos, const int64_t *slots, void *k_cache, void *v_cache,
+                       int bf16, int nthreads)
+{
+    const int64_t half = dim / 2, rot = heads + kv_heads;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 64)
+    for (int64_t t = 0; t < n; t++) {
+        float tmp[512];
+        for (int64_t h = 0; h < rot + kv_heads; h++) {
+            const int64_t src = t * stride + h * dim;
+            int64_t dst; /* element offset of the output row */
+            void *out;
+            if (h < heads) { out = qkv; dst = src; }
+            else if (h < rot) { out = k_cache; dst = (slots[t] * kv_heads + (h - heads)) * dim; }
+            else { out = v_cache; dst = (slots[t] * kv_heads + (h - rot)) * dim; }
+            if (bf16) {
+                const uint16_t *x = (const uint16_t *)qkv + src, *cs = (const uint16_t *)rope + pos[t] * 2 * dim;
+                uint16_t *o = (uint16_t *)out + dst;
+                if (h >= rot) { memmove(o, x, sizeof(uint16_t) * dim); continue; }
+                for (int64_t d = 0; d < dim; d++) {
+                    const uint16_t *r = d < half ? x + d + half : x + d - half;
+                    const uint16_t a = bf16_store(bf16_load(x + d) * bf16_load(cs + d));
+                    const uint16_t b = bf16_store(bf16_load(r) * bf16_load(cs + dim + d));
+                    tmp[d] = bf16_load(&a) + bf16_load(&b);
+                }
+                for (int64_t d = 0; d < dim; d++) o[d] = bf16_store(tmp[d]);
+            } else {
+                const float *x = (const float *)qkv + src, *cs = (const float *)rope + pos[t] * 2 * dim;
+                float *o = (float *)out + dst;
+                if (h >= rot) { memmove(o, x, sizeof(float) * dim); continue; }
+                for (int64_t d = 0; d < dim; d++) {
+                    const float r = d < half ? x[d + half] : x[d - half];
+                    tmp[d] = x[d] * cs[d] + r * cs[dim + d];
+                }
+                memcpy(o, tmp, sizeof(float) * dim);
+            }
+        }
+    }
+}
+
 /* out = rms_norm(x (+= residual)) * weight; rows of `hidden` values, bf16 or fp32. In bf16, as LlamaRMSNorm: the
    normalised row is rounded to bf16 before the weight multiply, whose product is rounded again. */
 void kvchat_rms_norm(void *x, const void *residual, const void *weight, void *out, int64_t rows, int64_t hidden,
@@ -307,21 +350,22 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def _build(cache_dir: Path) -> Path:
+def build_library(stem: str, source: str, cache_dir: Path) -> Path:
+    """Compile ``source`` into ``<cache_dir>/kernels/<stem>-<key>.so`` once per (source, compiler, flags, CPU)."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, *sorted(cpu_flags())]).encode()).hexdigest()[:16]
-    target = cache_dir / "kernels" / f"paged_decode-{key}.so"
+    key = hashlib.sha256("\0".join([source, compiler, *_FLAGS, *sorted(cpu_flags())]).encode()).hexdigest()[:16]
+    target = cache_dir / "kernels" / f"{stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "paged_decode.c"
-        source.write_text(_SOURCE)
+        src = Path(tmp) / f"{stem}.c"
+        src.write_text(source)
         built = Path(tmp) / target.name
         done = subprocess.run(
-            [compiler, *_FLAGS, str(source), "-o", str(built)], capture_output=True, text=True, timeout=120
+            [compiler, *_FLAGS, "-Wno-psabi", str(src), "-o", str(built)], capture_output=True, text=True, timeout=120
         )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
@@ -335,7 +379,7 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("KVCHAT_DISABLE_KERNELS") == "1":
         return None
     try:
-        lib = ctypes.CDLL(str(_build(default_cache_dir())))
+        lib = ctypes.CDLL(str(build_library("paged_decode", _SOURCE, default_cache_dir())))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("paged decode kernel unavailable, using the torch path: %s", exc)
         return None
@@ -344,6 +388,9 @@ def load() -> ctypes.CDLL | None:
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr]
     fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, i64]
     fn.restype = None
+    rope = lib.kvchat_rope_store
+    rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
+    rope.restype = None
     norm = lib.kvchat_rms_norm
     norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     norm.restype = None
@@ -374,6 +421,54 @@ def rms_norm(
         x.data_ptr(), res, weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, bf16, torch.get_num_threads()
     )
     return out
+
+
+def rope_store(
+    lib: ctypes.CDLL,
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    rope: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE on q and k of a fused ``qkv`` ``[n, (heads + 2 kv_heads) * D]`` (q rotated in place), k and v written
+    into pool slots ``slots`` of the caches ``[blocks, bs, kv_heads, D]``; returns q as ``[n, heads, D]`` (a view).
+
+    ``rope``: the ``[max_len, 2, D]`` table of ``llama.rope_tables``; ``positions``/``slots``: int64 ``[n]``.
+    """
+    n, dim = qkv.shape[0], rope.shape[-1]
+    lib.kvchat_rope_store(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        n,
+        heads,
+        kv_heads,
+        dim,
+        rope.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        int(qkv.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    return qkv[:, : heads * dim].view(n, heads, dim)
+
+
+def rope_supported(qkv: torch.Tensor, rope: torch.Tensor, cache: torch.Tensor) -> bool:
+    return (
+        qkv.device.type == "cpu"
+        and qkv.dtype in (torch.float32, torch.bfloat16)
+        and rope.dtype == qkv.dtype
+        and cache.dtype == qkv.dtype
+        and qkv.stride(1) == 1
+        and rope.is_contiguous()
+        and cache.is_contiguous()
+        and rope.shape[-1] <= 512
+    )
 
 
 def norm_supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:

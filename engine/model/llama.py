@@ -18,8 +18,11 @@ import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
 from engine.model import cpu_kernels
+from engine.model.gguf_blocks import PackedBlocks
+from engine.model.linear import Weight, dense, linear
+from engine.model.packed import PackedWeight, pack
 from engine.model.paged_attention import AttentionPlan, attend, write_kv
-from engine.model.quant import Weight, linear, quantize
+from engine.model.quant import quantize
 from engine.model.spec import ModelSpec, RopeSpec
 
 TensorGetter = Callable[[str], torch.Tensor | None]
@@ -69,13 +72,45 @@ class ModelWeights:
         """The same model with every linear layer (and the LM head) as weight-only int8 (see ``quant.py``)."""
 
         def q(w: Weight) -> Weight:
-            return w if not isinstance(w, torch.Tensor) else quantize(w)
+            return quantize(dense(w))
 
         layers = [
             dataclasses.replace(layer, qkv=q(layer.qkv), o=q(layer.o), gate_up=q(layer.gate_up), down=q(layer.down))
             for layer in self.layers
         ]
         return ModelWeights(self.embed, layers, self.norm, q(self.lm_head))
+
+    def with_packed(self, blocks: PackedBlocks) -> ModelWeights:
+        """The same weights, with each linear layer whose GGUF blocks are in ``blocks`` (and reproduce it exactly)
+        held as a ``PackedWeight`` (fused q/k/v and gate/up need all their parts in one format)."""
+
+        def packed(w: Weight, names: list[str]) -> Weight:
+            if not isinstance(w, torch.Tensor) or any(n not in blocks for n in names):
+                return w
+            result = pack([blocks[n] for n in names], w)
+            return w if result is None else result
+
+        layers = []
+        for i, layer in enumerate(self.layers):
+            attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            layers.append(
+                dataclasses.replace(
+                    layer,
+                    qkv=packed(layer.qkv, [f"{attn}{n}_proj.weight" for n in "qkv"]),
+                    o=packed(layer.o, [f"{attn}o_proj.weight"]),
+                    gate_up=packed(layer.gate_up, [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"]),
+                    down=packed(layer.down, [f"{mlp}down_proj.weight"]),
+                )
+            )
+        tied = self.lm_head is self.embed
+        head = packed(self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"])
+        return ModelWeights(self.embed, layers, self.norm, head)
+
+    @property
+    def num_packed(self) -> int:
+        """How many of the linear weights (4 per layer + the LM head) are packed."""
+        weights = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(isinstance(w, PackedWeight) for w in weights)
 
 
 def _layer(
@@ -164,7 +199,7 @@ class LlamaModel:
         rope = self.rope.index_select(0, positions)  # [N, 2, D]
         cos, sin = rope[:, 0:1], rope[:, 1:2]  # broadcast over heads
         for i, layer in enumerate(self.weights.layers):
-            x = self._layer(x, layer, cos, sin, plan, kv_pool[i])
+            x = self._layer(x, layer, _Rope(cos, sin, positions), plan, kv_pool[i])
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         x = self._norm(x, self.weights.norm)
@@ -185,18 +220,28 @@ class LlamaModel:
         return x, F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
 
     def _layer(
-        self,
-        x: torch.Tensor,
-        w: LayerWeights,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        plan: AttentionPlan,
-        kv: torch.Tensor,
+        self, x: torch.Tensor, w: LayerWeights, rope: _Rope, plan: AttentionPlan, kv: torch.Tensor
     ) -> torch.Tensor:
         spec = self.spec
         n, heads, kv_heads, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
         h = self._norm(x, w.input_norm)
         qkv = linear(h, w.qkv, w.qkv_bias)
+        if self.kernels is not None and w.q_norm is None and cpu_kernels.rope_supported(qkv, self.rope, kv):
+            # NOTE: one C call instead of ~10 ops (slices, cat, 3 products, 2 index_copy_) per layer and step
+            q = cpu_kernels.rope_store(self.kernels, qkv, heads, kv_heads, self.rope, rope.positions, plan.slots, *kv)
+        else:
+            q = self._rope_and_store(qkv, w, rope, plan, kv)
+        attn = attend(q, kv[0], kv[1], plan).reshape(n, heads * d)
+        x, h = self._add_norm(x, linear(attn, w.o, w.o_bias), w.post_norm)
+        gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, w.down)
+
+    def _rope_and_store(
+        self, qkv: torch.Tensor, w: LayerWeights, rope: _Rope, plan: AttentionPlan, kv: torch.Tensor
+    ) -> torch.Tensor:
+        """The torch path (no kernel, CUDA, or Qwen3's per-head q/k norm): rotated q; k and v written to the pool."""
+        spec = self.spec
+        n, heads, kv_heads, d = qkv.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
         qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
         v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
         if w.q_norm is not None and w.k_norm is not None:
@@ -207,13 +252,16 @@ class LlamaModel:
                 ],
                 dim=1,
             )
-        qk = _apply_rope(qk, cos, sin)
-        q, k = qk[:, :heads], qk[:, heads:]
-        write_kv(kv[0], kv[1], plan, k, v)
-        attn = attend(q, kv[0], kv[1], plan).reshape(n, heads * d)
-        x, h = self._add_norm(x, linear(attn, w.o, w.o_bias), w.post_norm)
-        gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, w.down)
+        qk = _apply_rope(qk, rope.cos, rope.sin)
+        write_kv(kv[0], kv[1], plan, qk[:, heads:], v)
+        return qk[:, :heads]
+
+
+@dataclass(frozen=True, slots=True)
+class _Rope:
+    cos: torch.Tensor  # [N, 1, D]
+    sin: torch.Tensor  # [N, 1, D], signed (see rope_tables)
+    positions: torch.Tensor  # int64 [N]
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@
 
 A GGUF is dequantized once into a safetensors folder under ``<cache_dir>/models/<key>/`` (``key`` = sha256 of the
 file's first MiB and its size); later starts read that folder directly. The folder is written to a temporary sibling
-and renamed into place, so a crash never leaves a half-written cache.
+and renamed into place, so a crash never leaves a half-written cache. Beside the dense weights it keeps the GGUF's
+quantized blocks (``packed/``, see ``gguf_blocks``), which decode steps read instead of the dense copy.
 
 The fingerprint (sha256 over the weight files and ``tokenizer.json``) seeds the prefix-cache hash chain: KV computed by
 other weights or another tokenizer can never match. It is cached in ``.kvchat_fingerprint.json`` next to the weights,
@@ -34,6 +35,7 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import ModelLoadError
+from engine.model import gguf_blocks
 from engine.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -223,6 +225,8 @@ def convert_gguf(gguf: Path, models_dir: Path) -> Path:
     _check_gguf_header(gguf)
     target = models_dir / gguf_cache_key(gguf)
     if (target / "config.json").is_file():
+        if not (target / gguf_blocks.BLOCKS_FILE).is_file():  # converted by a version that did not keep them
+            _keep_blocks(gguf, target)
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
     log.info("converting GGUF %s to safetensors under %s (once)", gguf.name, target)
@@ -230,6 +234,7 @@ def convert_gguf(gguf: Path, models_dir: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=models_dir, prefix=f".{target.name}.tmp-"))
     try:
         _convert_into(gguf, tmp)
+        _keep_blocks(gguf, tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -239,6 +244,14 @@ def convert_gguf(gguf: Path, models_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s in %.1fs", gguf.name, time.monotonic() - started)
     return target
+
+
+def _keep_blocks(gguf: Path, folder: Path) -> None:
+    """Keep the GGUF's quantized blocks beside the dense weights (``gguf_blocks``); an optimisation, never fatal."""
+    try:
+        gguf_blocks.extract(gguf, folder)
+    except Exception as exc:  # noqa: BLE001 - the dense conversion is complete and correct without them
+        log.warning("could not keep the quantized blocks of %s (dense weights only): %s", gguf.name, exc)
 
 
 def _check_gguf_header(gguf: Path) -> None:

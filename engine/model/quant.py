@@ -32,9 +32,6 @@ class Int8Weight:
         return self.dense.shape
 
 
-Weight = torch.Tensor | Int8Weight
-
-
 def quantize(weight: torch.Tensor) -> Int8Weight:
     """Symmetric per-output-channel int8 (scale = max |w| / 127)."""
     w = weight.float()
@@ -45,10 +42,8 @@ def quantize(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(q.contiguous(), scales_act.contiguous(), dense.contiguous())
 
 
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, Int8Weight):
-        if x.shape[0] <= INT8_MAX_ROWS:
-            out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight.q, weight.scales)
-            return out if bias is None else out + bias
-        return F.linear(x, weight.dense, bias)
-    return F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.shape[0] <= INT8_MAX_ROWS:
+        out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight.q, weight.scales)
+        return out if bias is None else out + bias
+    return F.linear(x, weight.dense, bias)

@@ -82,8 +82,10 @@ def test_blocks_can_be_moved_and_restored(runner: ModelRunner) -> None:
     expected = runner.forward([BatchItem(ids[-1:], 5, [2, 6], True)])
     saved = runner.read_blocks([2, 6])
     runner.kv_pool.fill_(0.5)  # another sequence overwrote them
-    runner.write_blocks([0, 1], saved)  # restored into different physical blocks
-    assert torch.equal(runner.forward([BatchItem(ids[-1:], 5, [0, 1], True)]), expected)
+    # restored into different physical blocks; NOTE: again not one consecutive run, so the same attention path
+    # (a consecutive table takes SDPA over a view, whose fp32 sums may round differently than the C kernel's)
+    runner.write_blocks([7, 0], saved)
+    assert torch.equal(runner.forward([BatchItem(ids[-1:], 5, [7, 0], True)]), expected)
 
 
 def test_only_rows_that_need_logits(runner: ModelRunner) -> None:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine.errors import ModelLoadError
+from engine.model import gguf_blocks, packed
 from engine.model.loader import DEFAULT_MODEL, fingerprint, resolve_model
 from engine.model.spec import ModelSpec
 from engine.model_runner import BatchItem, ModelRunner
@@ -142,6 +143,9 @@ def test_smollm2_converts_once_and_matches_hf(smollm2_cache: str) -> None:
     assert (first.path / "tokenizer.json").is_file()
 
     runner = ModelRunner(first, num_blocks=16, block_size=16, device="cpu", dtype="float32")
+    assert (first.path / gguf_blocks.BLOCKS_FILE).is_file()
+    if packed.load() is not None:  # every linear layer (4 per layer) and the tied LM head read the GGUF's blocks
+        assert runner.model.weights.num_packed == 4 * 30 + 1
     assert runner.vocab_size == 49152
     assert runner.eos_token_ids == (2,)
     ids = [1, 31530, 28, 957, 1462, 314, 216, 34, 2]  # any short prompt
@@ -152,3 +156,14 @@ def test_smollm2_converts_once_and_matches_hf(smollm2_cache: str) -> None:
     decode = runner.forward([BatchItem(ids[-1:], len(ids) - 1, [7, 3], True)])
     assert (prefill[0] - ref[-2]).abs().max().item() <= 1e-4
     assert (decode[0] - ref[-1]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_a_cache_converted_without_blocks_gets_them_once(smollm2_cache: str) -> None:
+    folder = resolve_model(DEFAULT_MODEL, cache_dir=smollm2_cache).path
+    blocks = folder / gguf_blocks.BLOCKS_FILE
+    blocks.unlink()  # as a cache written before the blocks were kept
+    again = resolve_model(DEFAULT_MODEL, cache_dir=smollm2_cache)
+    assert again.path == folder
+    assert blocks.is_file()
+    assert len(gguf_blocks.read(folder)) == 7 * 30 + 1  # q, k, v, o, gate, up, down per layer + the embedding
