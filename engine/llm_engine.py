@@ -13,6 +13,7 @@ it runs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -33,6 +34,7 @@ from engine.errors import (
 from engine.kv.block_hash import BlockHash, root_hash
 from engine.kv.kv_cache_manager import KVCacheManager, KVCacheUsage
 from engine.kv.session_index import SessionIndex
+from engine.openmp import release_thread_pool
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, RequestStats, TokenDelta
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -163,15 +165,22 @@ class LLMEngine:
             self._info.num_blocks,
             self._info.block_size,
         )
+        release_thread_pool()  # loading ran parallel regions on this thread (engine/openmp.py)
         return self._info
 
     async def start(self) -> EngineInfo:
-        info = await asyncio.to_thread(self.load)
-        if self._thread is None:
-            self._stopping.clear()
-            self._thread = threading.Thread(target=self._run_loop, name="kvchat-engine", daemon=True)
-            self._thread.start()
-        return info
+        """Start the step loop thread; it loads the model first (see ``engine.openmp`` for why on that thread)."""
+        if self._thread is not None:
+            return self.info
+        loaded: concurrent.futures.Future[EngineInfo] = concurrent.futures.Future()
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run_loop, args=(loaded,), name="kvchat-engine", daemon=True)
+        self._thread.start()
+        try:
+            return await asyncio.wrap_future(loaded)
+        except Exception:
+            self._thread = None  # the loop thread ended: loading failed
+            raise
 
     async def stop(self) -> None:
         thread, self._thread = self._thread, None
@@ -275,24 +284,48 @@ class LLMEngine:
         ``session`` (optional) names the conversation the request belongs to, so ``release_session`` can later free
         the blocks only that conversation uses.
         """
+        return self.submit_many([(prompt, params, namespace, sink)], [request_id], session)[0]
+
+    def submit_many(
+        self,
+        requests: Sequence[tuple[Prompt, SamplingParams, str, Sink]],
+        request_ids: Sequence[str | None] | None = None,
+        session: str | None = None,
+    ) -> list[str]:
+        """Register several requests at once: all or none, and the step loop sees them together (one batch)."""
         from engine.tokenizer import IncrementalDetokenizer
 
-        token_ids = self.tokenize(prompt)
-        self._check_fits(len(token_ids), params.max_tokens)
-        rid = request_id or uuid.uuid4().hex
-        seq = Seq(rid, token_ids, params, self._root(namespace))
         assert self._sampler is not None and self._scheduler is not None
-        state = self._sampler.new_state(params, self._tokenizer.eos_token_ids if self._tokenizer else ())
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        ids = list(request_ids or [None] * len(requests))
+        prepared: list[tuple[str, Seq, _Request]] = []
+        for (prompt, params, namespace, sink), request_id in zip(requests, ids, strict=True):
+            token_ids = self.tokenize(prompt)
+            self._check_fits(len(token_ids), params.max_tokens)
+            rid = request_id or uuid.uuid4().hex
+            seq = Seq(rid, token_ids, params, self._root(namespace))
+            state = self._sampler.new_state(params, self._tokenizer.eos_token_ids if self._tokenizer else ())
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+            prepared.append((rid, seq, _Request(seq, state, detok, sink, session)))
         with self._lock:
-            if rid in self._requests:
-                raise InvalidRequestError(f"request id {rid!r} is already in flight")
-            self._scheduler.add(seq)
+            rids = [rid for rid, _, _ in prepared]
+            for rid in rids:
+                if rid in self._requests or rids.count(rid) > 1:
+                    raise InvalidRequestError(f"request id {rid!r} is already in flight")
+            added: list[str] = []
+            try:
+                for rid, seq, request in prepared:
+                    self._scheduler.add(seq)  # may raise EngineBusy
+                    self._requests[rid] = request
+                    added.append(rid)
+            except EngineError:
+                for rid in added:  # all or none
+                    self._scheduler.abort(rid)
+                    del self._requests[rid]
+                raise
             if session is not None:
                 self._released_sessions.pop(session, None)  # a reopened session is recorded again
-            self._requests[rid] = _Request(seq, state, detok, sink, session)
         self._wakeup.set()
-        return rid
+        return rids
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks are released before the next step."""
@@ -338,6 +371,8 @@ class LLMEngine:
         except Exception:
             self._fail_in_flight()
             raise
+        finally:
+            release_thread_pool()
 
     def generate_sync(
         self, prompts: Sequence[Prompt], params: SamplingParams, namespace: str = "default"
@@ -372,7 +407,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step loop
 
-    def _run_loop(self) -> None:
+    def _run_loop(self, loaded: concurrent.futures.Future[EngineInfo]) -> None:
+        try:
+            info = self.load()
+        except Exception as exc:  # noqa: BLE001 - handed to start(), which raises it
+            loaded.set_exception(exc)
+            return
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # start() was cancelled meanwhile
+            loaded.set_result(info)
+        pool_held = True
         while not self._stopping.is_set():
             self._wakeup.clear()
             try:
@@ -381,8 +424,14 @@ class LLMEngine:
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_in_flight()
                 worked = True
-            if not worked:
-                self._wakeup.wait(0.1)
+            if worked:
+                pool_held = True
+                continue
+            if pool_held:  # NOTE: an idle pool still counts against every other thread's (engine/openmp.py)
+                release_thread_pool()
+                pool_held = False
+            self._wakeup.wait(0.1)
+        release_thread_pool()
 
     def _step(self) -> bool:
         assert self._scheduler is not None and self._runner is not None and self._sampler is not None

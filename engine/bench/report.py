@@ -103,6 +103,7 @@ class BenchReport:
     targets: list[TargetResult] = field(default_factory=list)
     sections: dict[str, Any] = field(default_factory=dict)
     machine: dict[str, Any] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # section -> why it produced no result
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -111,6 +112,7 @@ class BenchReport:
             "machine": self.machine,
             "targets": [t.to_json() for t in self.targets],
             "sections": self.sections,
+            "errors": self.errors,
         }
 
 

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--kv-mb", type=int, default=512)
+    parser.add_argument("--kv-mb", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=None, help="override every section's repeats")
     parser.add_argument("--budget-s", type=float, default=900.0, help="time box for the engine benchmark's repeats")
     parser.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
@@ -140,6 +140,7 @@ def engine_section(report: BenchReport, json_rel: str, png_rel: str, run_command
         "",
         f"Met: {sum(t.met for t in report.targets)} of {len(report.targets)}.",
         "",
+        *(f"**Section `{name}` failed**: {error}\n" for name, error in report.errors.items()),
         "Reproduce: `make bench` (= `" + run_command + "`), or the engine part alone: `" + report.command + "`.",
         "",
         f"Data: [{Path(json_rel).name}]({json_rel}) · plot: [{Path(png_rel).name}]({png_rel})",
@@ -241,9 +242,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = bench_engine.run(e_argv, on_section=lambda name: progress.update(f"engine: {name}"))
     bench_engine.write_outputs(report, args.out_dir / "engine.json", args.out_dir / "engine.png")
     met = sum(t.met for t in report.targets)
-    outcomes.append(
-        StepOutcome("engine", "ok", f"{met} of {len(report.targets)} targets met", time.monotonic() - started)
-    )
+    detail = f"{met} of {len(report.targets)} targets met"
+    if report.errors:
+        detail += "; failed sections: " + "; ".join(f"{k}: {v}" for k, v in report.errors.items())
+    status = "failed" if report.errors else "ok"
+    outcomes.append(StepOutcome("engine", status, detail, time.monotonic() - started))
 
     progress.update("workload benchmark")
     outcomes.append(run_workload(args.quick, args.skip_workload))
@@ -260,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {args.out_dir / 'engine.json'}, {args.out_dir / 'engine.png'}, {args.markdown}")
     print(f"reproduce: {command}")
     print(f"engine only: {report.command}")
-    return 0
+    return 1 if any(o.status == "failed" for o in outcomes) else 0
 
 
 if __name__ == "__main__":

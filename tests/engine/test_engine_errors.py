@@ -194,8 +194,12 @@ def test_folder_without_weights_is_a_model_load_error(tmp_path: Path, tiny_model
 async def test_a_failed_load_leaves_the_running_engine_serving(
     tmp_path: Path, tiny_engine: LLMEngine, probe_tokens: tuple[int, ...]
 ) -> None:
+    broken = LLMEngine(EngineConfig(model=str(tmp_path / "missing"), cache_dir=str(tmp_path)))
     with pytest.raises(ModelLoadError):
-        await LLMEngine(EngineConfig(model=str(tmp_path / "missing"), cache_dir=str(tmp_path))).start()
+        await broken.start()
+    assert not broken.is_running  # its step thread (which loads the model) has ended
+    with pytest.raises(ModelLoadError):
+        await broken.start()  # and a retry fails the same way, instead of hanging
     await assert_serves(tiny_engine, probe_tokens)
 
 

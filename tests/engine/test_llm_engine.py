@@ -19,8 +19,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from engine.errors import EngineBusy, EngineError
+from engine.config import EngineConfig
+from engine.errors import EngineBusy, EngineError, InvalidRequestError
 from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, TokenDelta
 from engine.sampling_params import SamplingParams
 from support.engines import make_engine, one_intra_op_thread
@@ -339,3 +341,45 @@ async def test_release_session_frees_its_unique_blocks_and_keeps_the_shared_pref
     assert again1.stats.cached_tokens == 32  # the shared prefix survived; s1's own blocks are gone
     assert again2.stats.cached_tokens == 48  # s2's blocks are untouched (the last prompt token is recomputed)
     assert (again1.token_ids, again2.token_ids) == (first.token_ids, second.token_ids)
+
+
+@pytest.mark.anyio
+async def test_the_step_thread_loads_the_model(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE: so that only one thread holds an OpenMP pool while the engine serves (engine/openmp.py)
+    loaded_on: list[str] = []
+    original = ModelRunner.from_config
+
+    def spy(config: EngineConfig) -> ModelRunner:
+        loaded_on.append(threading.current_thread().name)
+        return original(config)
+
+    monkeypatch.setattr(ModelRunner, "from_config", spy)
+    engine = make_engine(tiny_model_dir)
+    info = await engine.start()
+    try:
+        assert loaded_on == ["kvchat-engine"]
+        assert engine.is_running
+        assert await engine.start() == info  # a second start is a no-op
+        assert loaded_on == ["kvchat-engine"]
+    finally:
+        await engine.stop()
+
+
+def test_submit_many_is_all_or_none_and_schedules_together(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, max_waiting=2)
+    engine.load()
+    params = SamplingParams(max_tokens=3)
+    with pytest.raises(EngineBusy):
+        engine.submit_many([(fresh(8, 40 + i), params, "default", Collector()) for i in range(3)])
+    assert (engine.stats().waiting, engine.stats().running) == (0, 0)
+    with pytest.raises(InvalidRequestError, match=r"^request id 'x' is already in flight$"):
+        engine.submit_many([(fresh(8, 43 + i), params, "default", Collector()) for i in range(2)], ["x", "x"])
+    assert engine.stats().waiting == 0
+
+    sinks = [Collector() for _ in range(2)]
+    ids = engine.submit_many([(fresh(8, 45 + i), params, "default", sink) for i, sink in enumerate(sinks)])
+    assert engine.stats().waiting == 2
+    engine.run_until_idle()
+    finals = [sink.events[-1] for sink in sinks]
+    assert [f.request_id for f in finals if isinstance(f, RequestFinished)] == ids
+    assert engine.stats().steps == 3  # one prefill step for both, then two shared decode steps

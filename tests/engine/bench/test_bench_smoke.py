@@ -18,6 +18,7 @@ TARGET_KEYS = {
     "followup_ttft_vs_bare_forward",
     "cold_prefill_vs_hf",
     "decode_vs_hf_generate",
+    "decode_dense_vs_hf_generate",
     "decode_int8_vs_hf_generate",
     "concurrent_short_vs_single",
     "concurrent_long_vs_single",
@@ -41,6 +42,7 @@ def test_run_all_quick_writes_json_png_and_the_engine_section(tiny_model_dir: Pa
     assert {t["key"] for t in data["targets"]} == TARGET_KEYS
     assert all(t["ratio"] > 0 for t in data["targets"])
     assert set(data["sections"]) == set(bench_engine.SECTIONS)
+    assert data["errors"] == {}
     assert data["machine"]["dtype"] == "float32"
     assert data["machine"]["torch_threads"] == 2
     assert data["command"].startswith(".venv/bin/python -m engine.bench.bench_engine --quick")
@@ -108,3 +110,18 @@ def test_report_helpers() -> None:
     assert table.splitlines()[0].startswith("a")
     assert len(table.splitlines()) == 4
     assert run_all.replace_block("intro\n", "<b>", "<e>", "body") == "intro\n\n<b>\nbody\n<e>\n"
+
+
+def test_a_failing_section_is_reported_and_the_others_still_count(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(self: bench_engine.Bench) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(bench_engine.Bench, "kv", boom)
+    json_path, png_path = tmp_path / "e.json", tmp_path / "e.png"
+    argv = [*_quick_argv(tiny_model_dir), "prefill", "kv", "--json", str(json_path), "--png", str(png_path)]
+    assert bench_engine.main(argv) == 1
+    data = json.loads(json_path.read_text())
+    assert data["errors"] == {"kv": "RuntimeError: boom"}
+    assert [t["key"] for t in data["targets"]] == ["cold_prefill_vs_hf"]
