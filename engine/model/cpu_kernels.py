@@ -76,6 +76,10 @@ static inline const float *row_f32(const void *base, int64_t off, int64_t n, int
     return dst;
 }
 
+#ifndef PREFETCH
+#define PREFETCH 16 /* tokens ahead (K/V rows of a kv head are strided and blocks jump); 16 x 1k fp32: 46 -> 39 ms */
+#endif
+
 /* GCC vector extensions: 16 fp32 lanes (one AVX-512 register, two AVX2 ones, scalar code elsewhere). */
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -139,6 +143,10 @@ static inline __attribute__((always_inline)) void part(
         for (int64_t d = 0; d < dim; d++) qf[g * dim + d] = src[d] * scale;
     }
     for (int64_t i = 0; i < n; i++) {
+        if (i + PREFETCH < n) {
+            const char *nk = (const char *)k_cache + offs[i + PREFETCH] * (bf16 ? 2 : 4);
+            for (int64_t c = 0; c < dim * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(nk + c);
+        }
         const float *k = row_f32(k_cache, offs[i], dim, bf16, tmp);
         for (int64_t g = 0; g < group; g++) {
             s[g * part_len + i] = dot(qf + g * dim, k, dim);
@@ -160,6 +168,10 @@ static inline __attribute__((always_inline)) void part(
     }
     for (int64_t x = 0; x < group * dim; x++) acc[x] = 0.0f;
     for (int64_t i = 0; i < n; i++) {
+        if (i + PREFETCH < n) {
+            const char *nv = (const char *)v_cache + offs[i + PREFETCH] * (bf16 ? 2 : 4);
+            for (int64_t c = 0; c < dim * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(nv + c);
+        }
         const float *v = row_f32(v_cache, offs[i], dim, bf16, tmp);
         for (int64_t g = 0; g < group; g++) {
             const float p = s[g * part_len + i];

@@ -179,10 +179,12 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
     Returns ``[num_tokens, heads, D]``.
     """
     group = plan.decode
-    # NOTE: a lone decode row over one run of consecutive blocks keeps SDPA on a view of the pool: it measured faster
-    # than the kernel there (1 thread, 2k context, bf16: 69 vs 85 ms/step); the kernel wins with any gather to avoid
-    # (16 rows x 2k: 285 vs 361 ms/step; shuffled 1 row x 2k: 74 vs 80).
-    use_kernel = group is not None and group.runs is None and cpu_kernels.supports(q, k_cache)
+    # NOTE: a lone bf16 decode row over one run of consecutive blocks keeps SDPA on a view of the pool: it measured
+    # faster than the kernel there (AMX CPU, 1 thread, 2k context: 69 vs 85 ms/step). In fp32 the kernel wins even
+    # then (AVX2 CPU, 2 threads, 30 layers at 2k context: 5.1 vs 9.6 ms; at 64 tokens 0.9 vs 2.0 ms), and it wins
+    # with any gather to avoid (16 rows x 2k bf16: 285 vs 361 ms/step; shuffled 1 row x 2k: 74 vs 80).
+    lone_bf16_run = group is not None and group.runs is not None and q.dtype == torch.bfloat16
+    use_kernel = group is not None and not lone_bf16_run and cpu_kernels.supports(q, k_cache)
     kernel = plan.kernel if use_kernel else None
     if group is not None and group.all_rows and kernel is None:
         return _attend_decode(q, k_cache, v_cache, group, plan.use_flash)
