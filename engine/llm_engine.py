@@ -124,6 +124,7 @@ class LLMEngine:
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._loaded: concurrent.futures.Future[EngineInfo] | None = None  # set while a loop thread exists
         self._counters = _Counters()
 
     # ------------------------------------------------------------------ lifecycle
@@ -169,24 +170,37 @@ class LLMEngine:
         return self._info
 
     async def start(self) -> EngineInfo:
-        """Start the step loop thread; it loads the model first (see ``engine.openmp`` for why on that thread)."""
-        if self._thread is not None:
-            return self.info
-        loaded: concurrent.futures.Future[EngineInfo] = concurrent.futures.Future()
-        self._stopping.clear()
-        self._thread = threading.Thread(target=self._run_loop, args=(loaded,), name="kvchat-engine", daemon=True)
-        self._thread.start()
+        """Start the step loop thread; it loads the model first (see ``engine.openmp`` for why on that thread).
+
+        Concurrent calls share one load; cancelling a caller does not cancel the load (a later call picks it up).
+        """
+        if self._loaded is None:
+            self._loaded = concurrent.futures.Future()
+            self._stopping = threading.Event()  # NOTE: one per loop thread, so a stop() never races a new start()
+            self._thread = threading.Thread(
+                target=self._run_loop, args=(self._loaded, self._stopping), name="kvchat-engine", daemon=True
+            )
+            self._thread.start()
+        loaded = self._loaded
         try:
-            return await asyncio.wrap_future(loaded)
-        except Exception:
-            self._thread = None  # the loop thread ended: loading failed
+            info = await asyncio.shield(asyncio.wrap_future(loaded))
+        except asyncio.CancelledError:
             raise
+        except BaseException:
+            if self._loaded is loaded:  # the loop thread has ended: loading failed; a later start() retries
+                self._loaded, self._thread = None, None
+            raise
+        if self._loaded is not loaded:
+            raise EngineStopped("the engine was stopped while it was loading")
+        return info
 
     async def stop(self) -> None:
-        thread, self._thread = self._thread, None
+        """Stop the step loop (after a load in progress finishes); requests still in flight end with EngineStopped."""
+        thread, stopping = self._thread, self._stopping
+        self._thread, self._loaded = None, None
         if thread is None:
             return
-        self._stopping.set()
+        stopping.set()
         self._wakeup.set()
         await asyncio.to_thread(thread.join)
         with self._lock:
@@ -207,7 +221,9 @@ class LLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None
+        """The step loop is serving: started and its model loaded."""
+        loaded = self._loaded
+        return self._thread is not None and loaded is not None and loaded.done() and loaded.exception() is None
 
     # ------------------------------------------------------------------ requests
 
@@ -295,7 +311,8 @@ class LLMEngine:
         """Register several requests at once: all or none, and the step loop sees them together (one batch)."""
         from engine.tokenizer import IncrementalDetokenizer
 
-        assert self._sampler is not None and self._scheduler is not None
+        if self._sampler is None or self._scheduler is None:
+            raise EngineStopped("the engine is not loaded")
         ids = list(request_ids or [None] * len(requests))
         prepared: list[tuple[str, Seq, _Request]] = []
         for (prompt, params, namespace, sink), request_id in zip(requests, ids, strict=True):
@@ -363,7 +380,7 @@ class LLMEngine:
 
     def run_until_idle(self) -> None:
         """Drive steps on the calling thread until no work is left (only when the loop thread is not running)."""
-        if self.is_running:
+        if self._thread is not None:
             raise InvalidRequestError("run_until_idle() cannot be used while the step loop runs")
         try:
             while self._step():
@@ -378,7 +395,7 @@ class LLMEngine:
         self, prompts: Sequence[Prompt], params: SamplingParams, namespace: str = "default"
     ) -> list[RequestFinished]:
         """Submit all prompts at once, run them in one continuous batch, return their results in order."""
-        if self.is_running:
+        if self._thread is not None:
             raise InvalidRequestError("generate_sync() cannot be used while the step loop runs; use generate()")
         self.load()
         results: dict[str, RequestFinished] = {}
@@ -407,16 +424,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step loop
 
-    def _run_loop(self, loaded: concurrent.futures.Future[EngineInfo]) -> None:
+    def _run_loop(self, loaded: concurrent.futures.Future[EngineInfo], stopping: threading.Event) -> None:
         try:
             info = self.load()
-        except Exception as exc:  # noqa: BLE001 - handed to start(), which raises it
+        except BaseException as exc:  # noqa: BLE001 - handed to start(), which raises it
             loaded.set_exception(exc)
             return
-        with contextlib.suppress(concurrent.futures.InvalidStateError):  # start() was cancelled meanwhile
-            loaded.set_result(info)
+        loaded.set_result(info)
         pool_held = True
-        while not self._stopping.is_set():
+        while not stopping.is_set():
             self._wakeup.clear()
             try:
                 worked = self._step()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import math
@@ -213,12 +214,14 @@ class EngineDriver:
             trace = Trace(submitted=time.perf_counter())
             traces.append(trace)
             requests.append((list(prompt), params, namespace, sink_for(trace)))
-        self.engine.submit_many(requests)  # NOTE: atomically: the "concurrent" streams really start together
+        ids = self.engine.submit_many(requests)  # NOTE: atomically: the "concurrent" streams really start together
         deadline = time.monotonic() + _REQUEST_TIMEOUT_S
         while not all_done.wait(0.001 if on_wait else 0.5):
             if on_wait is not None:
                 on_wait()
             if time.monotonic() > deadline:
+                for request_id in ids:  # the next section must not run beside them
+                    self.engine.abort(request_id)
                 raise TimeoutError(f"{left[0]} of {len(prompts)} benchmark requests did not finish")
         errors = [t.error for t in traces if t.error is not None]
         if errors:
@@ -498,17 +501,25 @@ class Bench:
     # ------------------------------------------------------------------ 3. single-stream decode
 
     def decode(self) -> tuple[list[TargetResult], dict[str, Any]]:
-        w, peers = self.w, self.peers
-        prompt = self.tokens(w.decode_prompt_tokens)
+        prompt = self.tokens(self.w.decode_prompt_tokens)
         rates: dict[str, list[float]] = {"engine": [], "hf": [], "dense": [], "int8": []}
         # NOTE: two more engines are measured in the same rounds and reported as their own rows: the same engine with
         # dense weights only (packed_weights=False: what the packed GGUF blocks buy), and the opt-in weight-only int8
         # engine (not the same weights as the peer, so it does not count for the same-dtype target).
-        drivers = {
-            "engine": self.driver,
-            "dense": EngineDriver(replace(self.config, packed_weights=False, max_kv_memory_mb=64)),
-            "int8": EngineDriver(replace(self.config, quantization="int8", max_kv_memory_mb=64)),
-        }
+        with contextlib.ExitStack() as extra:
+            drivers = {"engine": self.driver}
+            for name, config in (
+                ("dense", replace(self.config, packed_weights=False, max_kv_memory_mb=64)),
+                ("int8", replace(self.config, quantization="int8", max_kv_memory_mb=64)),
+            ):
+                drivers[name] = EngineDriver(config)
+                extra.callback(drivers[name].close)
+            return self._decode_rounds(prompt, rates, drivers)
+
+    def _decode_rounds(
+        self, prompt: list[int], rates: dict[str, list[float]], drivers: dict[str, EngineDriver]
+    ) -> tuple[list[TargetResult], dict[str, Any]]:
+        w, peers = self.w, self.peers
 
         def engine_rate(driver: EngineDriver) -> float:
             params = _fixed_length(w.decode_tokens)
@@ -521,20 +532,15 @@ class Bench:
             times = peers.hf_generate(prompt, w.decode_tokens)
             return (len(times) - 1) / (times[-1] - times[0])
 
-        try:
-            for i in self.rounds(w.decode_repeats):
-                if self.stop_early(i):
-                    break
-                fns: dict[str, Callable[[], float]] = {"hf": hf}
-                fns |= {name: functools.partial(engine_rate, driver) for name, driver in drivers.items()}
-                results = _interleaved(i, fns)
-                if i > 0:
-                    for name, value in results.items():
-                        rates[name].append(value)
-        finally:
-            for name, driver in drivers.items():
-                if name != "engine":
-                    driver.close()
+        for i in self.rounds(w.decode_repeats):
+            if self.stop_early(i):
+                break
+            fns: dict[str, Callable[[], float]] = {"hf": hf}
+            fns |= {name: functools.partial(engine_rate, driver) for name, driver in drivers.items()}
+            results = _interleaved(i, fns)
+            if i > 0:
+                for name, value in results.items():
+                    rates[name].append(value)
         s = {name: Summary.of(values) for name, values in rates.items()}
         h = s["hf"]
         info_only = "for information, not a target: the engine's default is the row above"

@@ -278,6 +278,7 @@ void kvchat_paged_decode(
 /* RoPE on the q and k heads of a fused qkv row (rotate-half form, as transformers: x * cos + rotate_half(x) * sin,
    with `rope` rows = [cos | signed sin] per position), then q rotated in place and k, v stored into their pool slots.
    In bf16 every product and the sum are rounded to bf16, as torch's bf16 ops do. */
+__attribute__((optimize("fp-contract=off"))) /* x*cos + r*sin rounded as torch does: two products, one sum */
 void kvchat_rope_store(void *qkv, int64_t stride, int64_t n, int64_t heads, int64_t kv_heads, int64_t dim,
                        const void *rope, const int64_t *pos, const int64_t *slots, void *k_cache, void *v_cache,
                        int bf16, int nthreads)
@@ -470,9 +471,13 @@ def rope_store(
     return qkv[:, : heads * dim].view(n, heads, dim)
 
 
-def rope_supported(qkv: torch.Tensor, rope: torch.Tensor, cache: torch.Tensor) -> bool:
+def rope_supported(
+    qkv: torch.Tensor, rope: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+) -> bool:
+    index_ok = all(t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu" for t in (positions, slots))
     return (
-        qkv.device.type == "cpu"
+        index_ok
+        and qkv.device.type == "cpu"
         and qkv.dtype in (torch.float32, torch.bfloat16)
         and rope.dtype == qkv.dtype
         and cache.dtype == qkv.dtype

@@ -101,6 +101,8 @@ def _permutations(name: str, heads: int, kv_heads: int) -> list[Callable[[int], 
     if n_head:
 
         def unpermute(rows: int) -> np.ndarray:
+            if rows % (2 * n_head):
+                return np.arange(rows)  # not a RoPE layout llama.cpp could have permuted
             half = rows // n_head // 2
             return np.arange(rows).reshape(n_head, half, 2).swapaxes(2, 1).reshape(rows)
 

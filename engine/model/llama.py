@@ -226,7 +226,8 @@ class LlamaModel:
         n, heads, kv_heads, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
         h = self._norm(x, w.input_norm)
         qkv = linear(h, w.qkv, w.qkv_bias)
-        if self.kernels is not None and w.q_norm is None and cpu_kernels.rope_supported(qkv, self.rope, kv):
+        fused = w.q_norm is None and cpu_kernels.rope_supported(qkv, self.rope, kv, rope.positions, plan.slots)
+        if self.kernels is not None and fused:
             # NOTE: one C call instead of ~10 ops (slices, cat, 3 products, 2 index_copy_) per layer and step
             q = cpu_kernels.rope_store(self.kernels, qkv, heads, kv_heads, self.rope, rope.positions, plan.slots, *kv)
         else:

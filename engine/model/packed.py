@@ -184,6 +184,7 @@ static inline void put(void *y, int y_bf16, int64_t r, int64_t O, int64_t o, flo
     if (bias) v += bias[o];
     if (y_bf16) {
         uint32_t u; memcpy(&u, &v, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) { ((uint16_t *)y)[idx] = (uint16_t)((u >> 16) | 0x40u); return; } /* NaN */
         u += 0x7fffu + ((u >> 16) & 1u);
         ((uint16_t *)y)[idx] = (uint16_t)(u >> 16);
     } else {
@@ -339,9 +340,10 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     """``F.linear(x, weight.dense, bias)``: from the blocks for up to ``PACKED_MAX_ROWS`` rows, else dense."""
     lib = load()
     rows = x.shape[0]
-    if lib is None or x.dim() != 2 or rows > PACKED_MAX_ROWS or rows == 0:
-        return F.linear(x, weight.dense, bias)
     out_features, in_features = weight.dense.shape
+    fits = x.dim() == 2 and x.shape[1] == in_features and (bias is None or bias.shape == (out_features,))
+    if lib is None or not fits or rows > PACKED_MAX_ROWS or rows == 0:
+        return F.linear(x, weight.dense, bias)  # (which raises the usual error for a shape that does not fit)
     xf = x.to(torch.float32).contiguous()
     bf = None if bias is None else bias.to(torch.float32).contiguous()
     y = torch.empty((rows, out_features), dtype=x.dtype)

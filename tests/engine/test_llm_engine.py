@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from engine.config import EngineConfig
-from engine.errors import EngineBusy, EngineError, InvalidRequestError
+from engine.errors import EngineBusy, EngineError, EngineStopped, InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, TokenDelta
@@ -383,3 +383,64 @@ def test_submit_many_is_all_or_none_and_schedules_together(tiny_model_dir: Path)
     finals = [sink.events[-1] for sink in sinks]
     assert [f.request_id for f in finals if isinstance(f, RequestFinished)] == ids
     assert engine.stats().steps == 3  # one prefill step for both, then two shared decode steps
+
+
+@pytest.mark.anyio
+async def test_starts_share_one_load_and_serving_begins_only_once_loaded(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    calls: list[str] = []
+    original = ModelRunner.from_config
+
+    def slow(config: EngineConfig) -> ModelRunner:
+        calls.append(threading.current_thread().name)
+        release.wait(10)
+        return original(config)
+
+    monkeypatch.setattr(ModelRunner, "from_config", slow)
+    engine = make_engine(tiny_model_dir)
+    first = asyncio.ensure_future(engine.start())
+    second = asyncio.ensure_future(engine.start())
+    await asyncio.sleep(0.05)
+    assert not engine.is_running  # still loading
+    with pytest.raises(EngineStopped):
+        await collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=1)))
+    release.set()
+    try:
+        assert await first == await second
+        assert engine.is_running
+        assert calls == ["kvchat-engine"]
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.anyio
+async def test_stop_during_a_load_makes_start_fail_and_a_new_start_works(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    original = ModelRunner.from_config
+
+    def slow(config: EngineConfig) -> ModelRunner:
+        release.wait(10)
+        return original(config)
+
+    monkeypatch.setattr(ModelRunner, "from_config", slow)
+    engine = make_engine(tiny_model_dir)
+    starting = asyncio.ensure_future(engine.start())
+    await asyncio.sleep(0.05)
+    stopping = asyncio.ensure_future(engine.stop())
+    await asyncio.sleep(0.05)
+    release.set()
+    await stopping
+    with pytest.raises(EngineStopped, match="stopped while it was loading"):
+        await starting
+    assert not engine.is_running
+    await engine.start()
+    try:
+        assert engine.is_running
+        _, final = await collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=2)))
+        assert final.stats.completion_tokens == 2
+    finally:
+        await engine.stop()

@@ -98,3 +98,36 @@ def test_rms_norm_matches_transformers_rounding(dtype: torch.dtype, rows: int) -
     assert torch.equal(x, summed)  # the residual was added in place
     ulp = 1e-6 if dtype == torch.float32 else 1e-2
     assert (out.float() - ref.float()).abs().max().item() <= ulp * ref.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_is_bit_identical_to_the_torch_path(dtype: torch.dtype) -> None:
+    """The fused C RoPE + K/V store rounds exactly as ``_apply_rope`` + ``index_copy_`` do, in fp32 and bf16."""
+    from engine.model.llama import _apply_rope, rope_tables
+    from engine.model.spec import ModelSpec
+
+    lib = cpu_kernels.load()
+    if lib is None:
+        pytest.skip("no C compiler")
+    spec = ModelSpec.from_hf_config(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+         "max_position_embeddings": 512, "rope_theta": 10000.0}
+    )  # fmt: skip
+    heads, kv_heads, dim, n = 4, 2, 32, 7
+    table = rope_tables(spec, 512, dtype, torch.device("cpu"))
+    positions = torch.tensor([0, 1, 5, 100, 101, 300, 511])
+    slots = torch.tensor([3, 9, 0, 17, 4, 30, 12])
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, dtype=dtype)
+
+    k_ref, v_ref = torch.zeros(32, kv_heads, dim, dtype=dtype), torch.zeros(32, kv_heads, dim, dtype=dtype)
+    rope = table.index_select(0, positions)
+    qk = _apply_rope(qkv[:, : (heads + kv_heads) * dim].view(n, heads + kv_heads, dim), rope[:, 0:1], rope[:, 1:2])
+    k_ref.index_copy_(0, slots, qk[:, heads:])
+    v_ref.index_copy_(0, slots, qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim))
+
+    k_out, v_out = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
+    q = cpu_kernels.rope_store(lib, qkv, heads, kv_heads, table, positions, slots, k_out, v_out)
+    assert torch.equal(q, qk[:, :heads])
+    assert torch.equal(k_out, k_ref)
+    assert torch.equal(v_out, v_ref)
