@@ -36,9 +36,12 @@ from engine.model.loader import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-# NOTE: measured crossover (SmolLM2 layers, fp32, 2 threads): packed 71 vs dense 95 ms at 30 rows, even at 64,
-# dense ahead at 128 (281 vs 238 ms).
+# NOTE: measured crossover (SmolLM2 layers, fp32, AVX2, 2 threads): packed 60 vs dense 95 ms at 30 rows, about even
+# at 64, dense ahead at 128 (281 vs 238 ms). In bf16 an AMX CPU multiplies 16 rows of dense bf16 weights in about the
+# time of one (21 vs 22 ms for SmolLM2's layers, measured on such a machine) while this kernel computes in fp32
+# (~15 ms at 4 rows, ~35 at 16 here), so bf16 batches wider than PACKED_MAX_ROWS_BF16 take the dense weights.
 PACKED_MAX_ROWS = 48
+PACKED_MAX_ROWS_BF16 = 4
 BLOCK = 32  # weights per block, every format
 FORMATS: dict[str, tuple[int, int]] = {"q4_0": (0, 18), "q4_1": (1, 20), "q8_0": (2, 34)}  # (kernel id, bytes)
 
@@ -337,12 +340,14 @@ def pack(parts: Sequence[tuple[torch.Tensor, str]], dense: torch.Tensor) -> Pack
 
 
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight.dense, bias)``: from the blocks for up to ``PACKED_MAX_ROWS`` rows, else dense."""
+    """``F.linear(x, weight.dense, bias)``: from the blocks for up to ``PACKED_MAX_ROWS`` rows (fp32;
+    ``PACKED_MAX_ROWS_BF16`` in bf16), else from the dense weights."""
     lib = load()
     rows = x.shape[0]
     out_features, in_features = weight.dense.shape
     fits = x.dim() == 2 and x.shape[1] == in_features and (bias is None or bias.shape == (out_features,))
-    if lib is None or not fits or rows > PACKED_MAX_ROWS or rows == 0:
+    limit = PACKED_MAX_ROWS_BF16 if x.dtype == torch.bfloat16 else PACKED_MAX_ROWS
+    if lib is None or not fits or rows > limit or rows == 0:
         return F.linear(x, weight.dense, bias)  # (which raises the usual error for a shape that does not fit)
     xf = x.to(torch.float32).contiguous()
     bf = None if bias is None else bias.to(torch.float32).contiguous()

@@ -48,7 +48,7 @@ def test_linear_matches_the_dense_matmul_fp32(fmt: str, rows: int) -> None:
     torch.testing.assert_close(packed.linear(x, weight, bias), F.linear(x, dense, bias), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])  # fused (1-2 rows) and tiled (3-4) kernel paths
 def test_linear_bf16_rounds_like_a_bf16_matmul(rows: int) -> None:
     blocks, dense32 = _blocks("q4_1", 40, 64)
     dense = dense32.bfloat16()
@@ -100,3 +100,11 @@ def test_without_the_kernel_nothing_is_packed(monkeypatch: pytest.MonkeyPatch) -
     blocks, dense = _blocks("q4_1", 8, 64)
     monkeypatch.setattr(packed, "load", lambda: None)
     assert pack([(blocks, "q4_1")], dense) is None
+
+
+def test_bf16_batches_wider_than_their_limit_use_the_dense_weights() -> None:
+    blocks, dense32 = _blocks("q4_1", 16, 64)
+    weight = pack([(blocks, "q4_1")], dense32.bfloat16())
+    assert weight is not None
+    x = torch.randn(packed.PACKED_MAX_ROWS_BF16 + 1, 64).bfloat16()
+    assert torch.equal(packed.linear(x, weight), F.linear(x, weight.dense))
