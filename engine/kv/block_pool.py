@@ -131,17 +131,33 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash)
 
-    def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks from the head of the free queue (ref 1 each), evicting their old hash."""
+    def get_new_blocks(self, n: int, after: KVBlock | None = None) -> list[KVBlock]:
+        """Take ``n`` blocks (ref 1 each), evicting their old hash: from the head of the free queue, except that each
+        block is preferably the one right after the previous (after ``after`` for the first, when given) when that one
+        is free and holds no published prefix.
+
+        NOTE: a sequence whose blocks are consecutive is read as one view of the pool (no gather copy; a 2k-token
+        follow-up spent ~7 ms per forward gathering K/V). Only hash-less free blocks are taken out of order, and those
+        hold nothing reusable, so no cached prefix is evicted earlier than LRU order would.
+        """
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks but only {self.num_free_blocks} are free")
         out = []
+        next_id = -1 if after is None else after.block_id + 1
         for _ in range(n):
-            block = self.free_queue.popleft()
+            if 0 <= next_id < self.num_blocks and self._free_and_blank(self.blocks[next_id]):
+                block = self.blocks[next_id]
+                self.free_queue.remove(block)
+            else:
+                block = self.free_queue.popleft()
+            next_id = block.block_id + 1
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def _free_and_blank(self, block: KVBlock) -> bool:
+        return block.ref_cnt == 0 and block.block_hash is None
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block, reviving it from the free queue when it was free."""

@@ -119,7 +119,7 @@ class KVCacheManager:
             self._num_query_tokens += match.num_query_tokens
             self._num_hit_tokens += match.num_cached_tokens
         if num_new > 0:
-            state.blocks.extend(self.pool.get_new_blocks(num_new))
+            state.blocks.extend(self.pool.get_new_blocks(num_new, after=state.blocks[-1] if state.blocks else None))
         return True
 
     def cache_full_blocks(

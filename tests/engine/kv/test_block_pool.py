@@ -187,7 +187,9 @@ def test_evict_free_blocks_drops_hashes_and_moves_to_head_in_order() -> None:
     assert (blocks[0].block_hash, blocks[0].token_ids) == (None, None)
     assert pool.num_cached_blocks == 1
     assert pool.num_free_blocks == 5
-    assert [b.block_id for b in pool.get_new_blocks(2)] == [2, 0]
+    # the head first (2); then 3 rather than 0: blank too, and consecutive (see get_new_blocks)
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [2, 3]
+    assert pool.free_block_ids() == [0, 4, 1]
 
 
 def test_evict_free_blocks_refuses_a_used_block_and_changes_nothing() -> None:
@@ -210,3 +212,27 @@ def test_evict_free_blocks_with_an_uncached_block_only_moves_it() -> None:
     assert pool.num_cached_blocks == 0
     pool.evict_free_blocks([])
     assert pool.free_block_ids() == [2, 0, 1]
+
+
+def test_new_blocks_continue_after_a_given_block_when_it_is_free_and_blank() -> None:
+    pool = BlockPool(8)
+    first = pool.get_new_blocks(2)  # 0, 1
+    others = pool.get_new_blocks(3)  # 2, 3, 4
+    pool.free_blocks(others)  # queue: 5, 6, 7, 2, 3, 4
+    assert pool.free_block_ids() == [5, 6, 7, 2, 3, 4]
+    more = pool.get_new_blocks(3, after=first[-1])
+    assert [b.block_id for b in more] == [2, 3, 4]  # taken out of queue order: a consecutive table
+    assert pool.free_block_ids() == [5, 6, 7]
+    assert all(b.ref_cnt == 1 for b in more)
+
+
+def test_a_block_holding_a_prefix_is_never_taken_out_of_lru_order() -> None:
+    pool = BlockPool(6)
+    first = pool.get_new_blocks(1)  # 0
+    cached = pool.get_new_blocks(1)[0]  # 1
+    pool.cache_block(cached, h(1), (1,))
+    pool.free_blocks([cached])  # queue: 2, 3, 4, 5, 1 (1 still holds h(1))
+    taken = pool.get_new_blocks(2, after=first[0])
+    assert [b.block_id for b in taken] == [2, 3]  # not 1: it goes by the queue, then continues after 2
+    assert pool.get_cached_block(h(1)) is cached
+    assert pool.free_block_ids() == [4, 5, 1]
