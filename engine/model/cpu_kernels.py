@@ -386,15 +386,23 @@ def build_library(stem: str, source: str, cache_dir: Path) -> Path:
     return target
 
 
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (logged once) when it cannot be built or is disabled."""
+def open_library(stem: str, source: str, fallback: str) -> ctypes.CDLL | None:
+    """Build (once) and open a kernel library; None when kernels are disabled or it cannot be built (the warning
+    names ``fallback``, what is used instead)."""
     if os.environ.get("KVCHAT_DISABLE_KERNELS") == "1":
         return None
     try:
-        lib = ctypes.CDLL(str(build_library("paged_decode", _SOURCE, default_cache_dir())))
+        return ctypes.CDLL(str(build_library(stem, source, default_cache_dir())))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("paged decode kernel unavailable, using the torch path: %s", exc)
+        log.warning("%s kernel unavailable, using %s: %s", stem, fallback, exc)
+        return None
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (logged once) when it cannot be built or is disabled."""
+    lib = open_library("paged_decode", _SOURCE, "the torch path")
+    if lib is None:
         return None
     fn = lib.kvchat_paged_decode
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

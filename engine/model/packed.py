@@ -23,16 +23,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.model.cpu_kernels import build_library
-from engine.model.loader import default_cache_dir
+from engine.model.cpu_kernels import open_library
 
 log = logging.getLogger(__name__)
 
@@ -282,12 +279,8 @@ class PackedWeight:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, or None (logged once) when it cannot be built or kernels are disabled."""
-    if os.environ.get("KVCHAT_DISABLE_KERNELS") == "1":
-        return None
-    try:
-        lib = ctypes.CDLL(str(build_library("packed_linear", _SOURCE, default_cache_dir())))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("packed-weight kernel unavailable, using dense weights: %s", exc)
+    lib = open_library("packed_linear", _SOURCE, "dense weights")
+    if lib is None:
         return None
     i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.kvchat_packed_linear.argtypes = [ptr, i64, i64, ptr, cint, i64, ptr, ptr, cint, cint]
