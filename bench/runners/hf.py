@@ -13,10 +13,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.runners.base import OnTokens, Runner, RunnerInfo, TurnOutcome, TurnRequest
+from engine.openmp import release_thread_pool
+
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -49,7 +53,7 @@ class HFRunner(Runner):
         self._cache_kwarg = "past_key_values"
 
     async def start(self) -> RunnerInfo:
-        return await asyncio.to_thread(self._load)
+        return await asyncio.to_thread(_releasing_pool, self._load)
 
     def _load(self) -> RunnerInfo:
         import torch
@@ -71,7 +75,9 @@ class HFRunner(Runner):
 
     async def run_turn(self, request: TurnRequest, on_tokens: OnTokens) -> TurnOutcome:
         async with self._lock:
-            return await asyncio.to_thread(self._generate, request, on_tokens)
+            # NOTE: each turn may land on another executor thread; every thread that ran torch keeps an OpenMP pool,
+            # and more pools than CPUs put idle workers to sleep (engine/openmp.py), so each turn hands its back.
+            return await asyncio.to_thread(_releasing_pool, self._generate, request, on_tokens)
 
     def _generate(self, request: TurnRequest, on_tokens: OnTokens) -> TurnOutcome:
         import torch
@@ -132,3 +138,10 @@ class HFRunner(Runner):
         with self._mutex:
             live = self._live_kv_tokens
         return self._kv_bytes_now(live)
+
+
+def _releasing_pool(fn: Callable[..., _T], *args: Any) -> _T:
+    try:
+        return fn(*args)
+    finally:
+        release_thread_pool()
