@@ -502,7 +502,6 @@ class Bench:
 
     def decode(self) -> tuple[list[TargetResult], dict[str, Any]]:
         prompt = self.tokens(self.w.decode_prompt_tokens)
-        rates: dict[str, list[float]] = {"engine": [], "hf": [], "dense": [], "int8": []}
         # NOTE: two more engines are measured in the same rounds and reported as their own rows: the same engine with
         # dense weights only (packed_weights=False: what the packed GGUF blocks buy), and the opt-in weight-only int8
         # engine (not the same weights as the peer, so it does not count for the same-dtype target).
@@ -514,12 +513,13 @@ class Bench:
             ):
                 drivers[name] = EngineDriver(config)
                 extra.callback(drivers[name].close)
-            return self._decode_rounds(prompt, rates, drivers)
+            return self._decode_rounds(prompt, drivers)
 
     def _decode_rounds(
-        self, prompt: list[int], rates: dict[str, list[float]], drivers: dict[str, EngineDriver]
+        self, prompt: list[int], drivers: dict[str, EngineDriver]
     ) -> tuple[list[TargetResult], dict[str, Any]]:
         w, peers = self.w, self.peers
+        rates: dict[str, list[float]] = {name: [] for name in ["hf", *drivers]}
 
         def engine_rate(driver: EngineDriver) -> float:
             params = _fixed_length(w.decode_tokens)

@@ -196,10 +196,9 @@ class LlamaModel:
         """``input_ids``/``positions``: ``[N]``; returns float32 logits ``[len(logit_rows), vocab]`` (all rows when
         ``logit_rows`` is None)."""
         x = F.embedding(input_ids, self.weights.embed)
-        rope = self.rope.index_select(0, positions)  # [N, 2, D]
-        cos, sin = rope[:, 0:1], rope[:, 1:2]  # broadcast over heads
+        rope = _Rope(self.rope, positions)
         for i, layer in enumerate(self.weights.layers):
-            x = self._layer(x, layer, _Rope(cos, sin, positions), plan, kv_pool[i])
+            x = self._layer(x, layer, rope, plan, kv_pool[i])
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         x = self._norm(x, self.weights.norm)
@@ -226,10 +225,10 @@ class LlamaModel:
         n, heads, kv_heads, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
         h = self._norm(x, w.input_norm)
         qkv = linear(h, w.qkv, w.qkv_bias)
-        fused = w.q_norm is None and cpu_kernels.rope_supported(qkv, self.rope, kv, rope.positions, plan.slots)
+        fused = w.q_norm is None and cpu_kernels.rope_supported(qkv, rope.table, kv, rope.positions, plan.slots)
         if self.kernels is not None and fused:
             # NOTE: one C call instead of ~10 ops (slices, cat, 3 products, 2 index_copy_) per layer and step
-            q = cpu_kernels.rope_store(self.kernels, qkv, heads, kv_heads, self.rope, rope.positions, plan.slots, *kv)
+            q = cpu_kernels.rope_store(self.kernels, qkv, heads, kv_heads, rope.table, rope.positions, plan.slots, *kv)
         else:
             q = self._rope_and_store(qkv, w, rope, plan, kv)
         attn = attend(q, kv[0], kv[1], plan).reshape(n, heads * d)
@@ -253,16 +252,27 @@ class LlamaModel:
                 ],
                 dim=1,
             )
-        qk = _apply_rope(qk, rope.cos, rope.sin)
+        cos, sin = rope.cos_sin()
+        qk = _apply_rope(qk, cos, sin)
         write_kv(kv[0], kv[1], plan, qk[:, heads:], v)
         return qk[:, :heads]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Rope:
-    cos: torch.Tensor  # [N, 1, D]
-    sin: torch.Tensor  # [N, 1, D], signed (see rope_tables)
+    """A step's positions over the RoPE table. The C kernel reads the table by position; the torch path needs the
+    rows gathered, which happens once per step and only when that path runs."""
+
+    table: torch.Tensor  # [max_len, 2, D] (rope_tables)
     positions: torch.Tensor  # int64 [N]
+    _gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin, ``[N, 1, D]`` each (broadcast over heads)."""
+        if self._gathered is None:
+            rows = self.table.index_select(0, self.positions)
+            self._gathered = (rows[:, 0:1], rows[:, 1:2])
+        return self._gathered
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -385,20 +385,26 @@ def test_submit_many_is_all_or_none_and_schedules_together(tiny_model_dir: Path)
     assert engine.stats().steps == 3  # one prefill step for both, then two shared decode steps
 
 
-@pytest.mark.anyio
-async def test_starts_share_one_load_and_serving_begins_only_once_loaded(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _held_load(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[str]]:
+    """Make model loading wait until the returned event is set; the list records the loading threads' names."""
     release = threading.Event()
     calls: list[str] = []
     original = ModelRunner.from_config
 
-    def slow(config: EngineConfig) -> ModelRunner:
+    def held(config: EngineConfig) -> ModelRunner:
         calls.append(threading.current_thread().name)
         release.wait(10)
         return original(config)
 
-    monkeypatch.setattr(ModelRunner, "from_config", slow)
+    monkeypatch.setattr(ModelRunner, "from_config", held)
+    return release, calls
+
+
+@pytest.mark.anyio
+async def test_starts_share_one_load_and_serving_begins_only_once_loaded(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release, calls = _held_load(monkeypatch)
     engine = make_engine(tiny_model_dir)
     first = asyncio.ensure_future(engine.start())
     second = asyncio.ensure_future(engine.start())
@@ -419,14 +425,7 @@ async def test_starts_share_one_load_and_serving_begins_only_once_loaded(
 async def test_stop_during_a_load_makes_start_fail_and_a_new_start_works(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    release = threading.Event()
-    original = ModelRunner.from_config
-
-    def slow(config: EngineConfig) -> ModelRunner:
-        release.wait(10)
-        return original(config)
-
-    monkeypatch.setattr(ModelRunner, "from_config", slow)
+    release, _ = _held_load(monkeypatch)
     engine = make_engine(tiny_model_dir)
     starting = asyncio.ensure_future(engine.start())
     await asyncio.sleep(0.05)
