@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.model import cpu_kernels
+from engine.model import cpu_kernels, prefill_attention
 
 try:  # pragma: no cover - optional CUDA extra
     from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found,unused-ignore]
@@ -44,6 +44,12 @@ class PrefillSpan:
     # NOTE: the mask as 0/-inf in the query's dtype, built once per step and reused by every layer: SDPA converts a
     # bool mask on each call (2k keys x 30 rows: ~5% of the call)
     additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def table(self) -> torch.Tensor:
+        """The block ids as an int64 tensor (for the C kernel)."""
+        if isinstance(self.blocks, slice):
+            self.blocks = torch.arange(self.blocks.start, self.blocks.stop, dtype=torch.long)
+        return self.blocks
 
     def attn_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         if self.mask is None:
@@ -88,6 +94,7 @@ class AttentionPlan:
     decode: DecodeGroup | None = None
     use_flash: bool = False
     kernel: ctypes.CDLL | None = None  # cpu_kernels.load() on CPU; None = the torch gather + SDPA path
+    prefill_kernel: ctypes.CDLL | None = None  # prefill_attention.load() on CPU; None = SDPA
 
 
 def build_plan(items: list[tuple[int, int, list[int]]], block_size: int, device: torch.device) -> AttentionPlan:
@@ -113,6 +120,8 @@ def build_plan(items: list[tuple[int, int, list[int]]], block_size: int, device:
     plan.use_flash = flash_attn_with_kvcache is not None and device.type == "cuda" and block_size % 256 == 0
     if device.type == "cpu" and plan.decode is not None:
         plan.kernel = cpu_kernels.load()
+    if device.type == "cpu" and prefills:
+        plan.prefill_kernel = prefill_attention.load()
     return plan
 
 
@@ -190,19 +199,30 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
     Returns ``[num_tokens, heads, D]``.
     """
     group = plan.decode
-    # NOTE: a lone bf16 decode row over one run of consecutive blocks keeps SDPA on a view of the pool: it measured
-    # faster than the kernel there (AMX CPU, 1 thread, 2k context: 69 vs 85 ms/step). In fp32 the kernel wins even
-    # then (AVX2 CPU, 2 threads, 30 layers at 2k context: 5.1 vs 9.6 ms; at 64 tokens 0.9 vs 2.0 ms), and it wins
-    # with any gather to avoid (16 rows x 2k bf16: 285 vs 361 ms/step; shuffled 1 row x 2k: 74 vs 80).
-    lone_bf16_run = group is not None and group.runs is not None and q.dtype == torch.bfloat16
+    # NOTE: a lone bf16 decode row over one run of consecutive blocks keeps SDPA on a view of the pool where the
+    # kernel has no bf16 pair products (no AVX512-BF16): there SDPA measured faster (AMX CPU, 1 thread, 2k context:
+    # 69 vs 85 ms/step). With them the kernel wins (AVX512-BF16, 2 threads, 30 layers at 1k context: 2.3 vs 7.2 ms).
+    # In fp32 the kernel wins even then (AVX2 CPU, 2 threads, 30 layers at 2k context: 5.1 vs 9.6 ms; at 64 tokens
+    # 0.9 vs 2.0 ms), and it wins with any gather to avoid (16 rows x 2k bf16: 285 vs 361 ms/step; shuffled 1 row x
+    # 2k: 74 vs 80).
+    lone_bf16_run = (
+        group is not None and group.runs is not None and q.dtype == torch.bfloat16 and not cpu_kernels.bf16_pairs()
+    )
     use_kernel = group is not None and not lone_bf16_run and cpu_kernels.supports(q, k_cache)
     kernel = plan.kernel if use_kernel else None
     if group is not None and group.all_rows and kernel is None:
         return _attend_decode(q, k_cache, v_cache, group, plan.use_flash)
     out = q.new_empty(q.shape)
+    chunk_kernel = plan.prefill_kernel if plan.prefills and prefill_attention.supports(q, out, k_cache) else None
     for span in plan.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
-        out[rows] = _attend_prefill(q[rows], k_cache, v_cache, span, plan.use_flash)
+        if chunk_kernel is not None:
+            scale = q.shape[-1] ** -0.5
+            prefill_attention.prefill_attention(
+                chunk_kernel, q[rows], out[rows], span.start_pos, k_cache, v_cache, span.table(), scale
+            )
+        else:
+            out[rows] = _attend_prefill(q[rows], k_cache, v_cache, span, plan.use_flash)
     if group is not None and kernel is not None:
         table = group.blocks.view(-1, group.max_blocks)
         scale = q.shape[-1] ** -0.5

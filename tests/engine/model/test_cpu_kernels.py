@@ -46,6 +46,8 @@ def _case(
         (9, 3, 64, [300, 7, 513, 256, 257], 0),  # several 256-token parts, uneven lengths
         (4, 4, 128, [40, 3], 5),  # no GQA, a prefill chunk between the decode rows
         (8, 1, 24, [600], 2),  # MQA, a head size that is not a multiple of 16
+        (10, 2, 128, [300, 17, 520], 33),  # group 5 (register tiles of 4 + 1 rows), head dim 128
+        (16, 2, 64, [700, 650, 30, 512], 0),  # group 8, enough parts for one work item per (sequence, part)
     ],
 )
 def test_kernel_matches_torch_path(
@@ -56,7 +58,7 @@ def test_kernel_matches_torch_path(
     plan = build_plan(items, 4, torch.device("cpu"))
     assert plan.kernel is not None
     ours = attend(q, k, v, plan)
-    plan.kernel = None
+    plan.kernel = plan.prefill_kernel = None
     ref = attend(q, k, v, plan)
     assert ours.dtype == dtype
     assert (ours.float() - ref.float()).abs().max().item() <= tol

@@ -1,0 +1,121 @@
+"""The C prefill-chunk attention kernel against float64 SDPA, its row-level exactness, and when it is used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import cpu_kernels, paged_attention, prefill_attention
+from engine.model.paged_attention import attend, build_plan
+
+needs_kernel = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler")
+
+
+def _pool(
+    dtype: torch.dtype, kv_heads: int, dim: int, tokens: int, block_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches ``[blocks, block_size, kv_heads, dim]`` and a shuffled block table covering ``tokens``."""
+    gen = torch.Generator().manual_seed(seed)
+    used = -(-tokens // block_size)
+    total = used + 3
+    table = torch.randperm(total, generator=gen)[:used].to(torch.long)
+    k, v = (torch.randn(total, block_size, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    return k, v, table
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, start: int) -> torch.Tensor:
+    """float64 SDPA over the gathered sequence, query t seeing keys 0..start + t."""
+    q_len, dim = q.shape[0], q.shape[2]
+    kv_heads = k.shape[2]
+    kv_len = start + q_len
+    keys, values = (c[table].reshape(-1, kv_heads, dim)[:kv_len].transpose(0, 1).double() for c in (k, v))
+    mask = torch.arange(kv_len).unsqueeze(0) <= torch.arange(start, kv_len).unsqueeze(1)
+    qh = q.transpose(0, 1).double()
+    out = F.scaled_dot_product_attention(
+        qh.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "q_len", "start", "block_size"),
+    [
+        (9, 3, 64, 30, 2000, 16),  # a follow-up turn over a long cached prefix
+        (9, 3, 64, 200, 0, 16),  # a cold causal chunk: many tiles, unequal work
+        (4, 2, 128, 7, 13, 4),  # head dim 128, a prefix ending inside a block
+        (8, 8, 32, 33, 64, 16),  # no GQA, head dim 32 (not a multiple of 64)
+        (12, 2, 64, 1, 50, 16),  # one row, group of 6
+        (6, 1, 256, 5, 0, 4),  # MQA, the largest head dim taken
+        (16, 2, 80, 70, 3, 16),  # group 8 (> 96 rows per tile split), head dim 80
+    ],
+)
+def test_kernel_matches_float64_sdpa(
+    dtype: torch.dtype, tol: float, heads: int, kv_heads: int, dim: int, q_len: int, start: int, block_size: int
+) -> None:
+    lib = prefill_attention.load()
+    assert lib is not None
+    k, v, table = _pool(dtype, kv_heads, dim, start + q_len, block_size, seed=q_len + dim)
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(q_len, heads + 2 * kv_heads, dim, generator=gen).to(dtype)
+    q = qkv[:, :heads]  # a strided view, as the model passes it
+    out = torch.full((q_len, heads, dim), float("nan"), dtype=dtype)
+    prefill_attention.prefill_attention(lib, q, out, start, k, v, table, dim**-0.5)
+    ref = _reference(q, k, v, table, start)
+    assert out.dtype == dtype
+    assert not out.isnan().any()
+    assert (out.double() - ref).abs().max().item() <= tol
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_computes_to_the_same_bits_cold_and_after_a_prefix_hit(dtype: torch.dtype) -> None:
+    """The rows after ``prefix`` give identical bits in a cold chunk of the whole prompt and in a chunk that starts at
+    ``prefix`` (what a prefix-cache hit runs), whatever the tiling of either call."""
+    lib = prefill_attention.load()
+    assert lib is not None
+    heads, kv_heads, dim, total, prefix = 9, 3, 64, 300, 237
+    k, v, table = _pool(dtype, kv_heads, dim, total, 16, seed=3)
+    q = torch.randn(total, heads, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    cold = torch.empty_like(q)
+    prefill_attention.prefill_attention(lib, q, cold, 0, k, v, table, dim**-0.5)
+    hit = torch.empty_like(q[prefix:])
+    prefill_attention.prefill_attention(lib, q[prefix:], hit, prefix, k, v, table, dim**-0.5)
+    assert torch.equal(cold[prefix:], hit)
+
+
+@needs_kernel
+def test_attend_uses_the_kernel_for_prefill_spans_where_it_is_worthwhile(monkeypatch: pytest.MonkeyPatch) -> None:
+    dtype, heads, kv_heads, dim = torch.float32, 4, 2, 64
+    k, v, table = _pool(dtype, kv_heads, dim, 40, 4, seed=5)
+    q = torch.randn(12, heads, dim, generator=torch.Generator().manual_seed(6))
+    items = [(28, 12, table.tolist())]
+
+    monkeypatch.setattr(prefill_attention, "worthwhile", lambda: True)
+    plan = build_plan(items, 4, torch.device("cpu"))
+    assert plan.prefill_kernel is not None
+    kernel_out = torch.empty_like(q)
+    prefill_attention.prefill_attention(plan.prefill_kernel, q, kernel_out, 28, k, v, table, dim**-0.5)
+    assert torch.equal(attend(q, k, v, plan), kernel_out)
+
+    monkeypatch.setattr(prefill_attention, "worthwhile", lambda: False)
+    plan = build_plan(items, 4, torch.device("cpu"))
+    sdpa = paged_attention._attend_prefill(q, k, v, plan.prefills[0], False)
+    assert torch.equal(attend(q, k, v, plan), sdpa)
+    assert (kernel_out - sdpa).abs().max().item() <= 1e-5
+
+
+def test_supports_only_what_the_kernel_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefill_attention, "worthwhile", lambda: True)
+    cache = torch.zeros(2, 4, 2, 64)
+    q = torch.zeros(3, 4, 64)
+    assert prefill_attention.supports(q, torch.empty_like(q), cache)
+    assert not prefill_attention.supports(q.to(torch.bfloat16), torch.empty_like(q), cache)  # mixed dtypes
+    odd = torch.zeros(3, 4, 24)
+    assert not prefill_attention.supports(odd, torch.empty_like(odd), torch.zeros(2, 4, 2, 24))  # 24 % 16 != 0
+    big = torch.zeros(3, 4, 512)
+    assert not prefill_attention.supports(big, torch.empty_like(big), torch.zeros(2, 4, 2, 512))  # > 256
+    monkeypatch.setattr(prefill_attention, "worthwhile", lambda: False)
+    assert not prefill_attention.supports(q, torch.empty_like(q), cache)
