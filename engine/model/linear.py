@@ -26,9 +26,9 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if isinstance(weight, PackedWeight):
         # NOTE: in bf16 the few-row kernel over the dense weights beats the packed blocks even for one row (reading
         # 2 bytes a weight at ~36 GB/s instead of decoding ~0.6: SmolLM2 step, 2 threads, 7.4 vs 13.4 ms)
-        if lib is None or not bf16_linear.fits(x, weight.dense, bias):
-            return packed.linear(x, weight, bias)
-        weight = weight.dense
+        if lib is not None and bf16_linear.fits(x, weight.dense, bias):
+            return bf16_linear.linear(lib, x, weight.dense, bias)
+        return packed.linear(x, weight, bias)
     if lib is not None and bf16_linear.fits(x, weight, bias):
         return bf16_linear.linear(lib, x, weight, bias)
     return F.linear(x, weight, bias)
