@@ -2,8 +2,10 @@
 
 Why: torch's CPU SDPA (flash kernel) runs a chunk's attention at ~48 GMAC/s here in bf16 and fp32 alike, and a
 follow-up turn (30 new tokens over 2,000 cached) spends 58 % of its forward in it (SmolLM2, 2 threads: 1.67 ms of
-its ~3 ms per layer). The arithmetic is register-tiled fp32 FMA here, and it reads the pool through the block table
-in place (no gather copy, no additive mask).
+its ~3 ms per layer). Here the arithmetic is register-tiled (fp32 FMA, or bf16 pair products with ``vdpbf16ps`` for a
+bf16 pool where the CPU has AVX512-BF16), and the pool is read through the block table in place (no gather copy, no
+additive mask). Per layer, bf16: 30 queries over 2k keys 0.64 vs SDPA 1.33 ms; a causal 2000-token chunk 20 vs 67 ms
+(fp32: 1.15 vs 1.27, 30 vs 68 ms).
 
 Work items are (kv head, tile of query positions); a tile holds every query head of the kv head's group for its
 positions (GQA without repeating K/V). Keys go in chunks of ``CK`` (64 with AVX-512, else 32): each chunk's K is
