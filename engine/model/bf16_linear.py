@@ -65,14 +65,14 @@ TILE(2)
 TILE(1)
 
 /* y[R][O] = x[R][K] . w[O][K]^T (+ bias[O], fp32), bf16 in and out, fp32 sums; K % 32 == 0. */
-void kvchat_bf16_linear(const uint16_t *x, int64_t R, int64_t K, const uint16_t *w, int64_t O, const float *bias,
+int kvchat_bf16_linear(const uint16_t *x, int64_t R, int64_t K, const uint16_t *w, int64_t O, const float *bias,
                         uint16_t *y, int nthreads)
 {
     const int64_t rt = R >= 4 ? 4 : (R >= 2 ? 2 : 1), ot = 16 / rt, padded = (R + rt - 1) / rt * rt;
     uint16_t *xpad = 0;
     if (padded != R) { /* zero rows up to a whole tile */
         xpad = (uint16_t *)calloc((size_t)(padded * K), sizeof(uint16_t));
-        if (!xpad) return;
+        if (!xpad) return -1;
         memcpy(xpad, x, sizeof(uint16_t) * (size_t)(R * K));
         x = xpad;
     }
@@ -93,8 +93,9 @@ void kvchat_bf16_linear(const uint16_t *x, int64_t R, int64_t K, const uint16_t 
                     v16f v = load16(out16);
                     if (bias)
                         for (int64_t l = 0; l < 16; l++) v[l] += bias[o0 + l % ot];
-                    const v16i u = (v16i)v; /* round to nearest even (finite sums) */
-                    const v16i h = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+                    const v16i u = (v16i)v; /* round to nearest even, as bf16_store (NaN stays a quiet NaN) */
+                    const v16i nan = (u & 0x7fffffff) > 0x7f800000;
+                    const v16i h = ((((u + 0x7fff + ((u >> 16) & 1)) >> 16) & ~nan) | (((u >> 16) | 0x40) & nan));
                     const v16u16 hv = __builtin_convertvector(h, v16u16);
                     for (int64_t i = 0; i < rt && r0 + i < R; i++)
                         memcpy(y + (r0 + i) * O + o0, (const uint16_t *)&hv + i * ot, sizeof(uint16_t) * (size_t)ot);
@@ -106,6 +107,7 @@ void kvchat_bf16_linear(const uint16_t *x, int64_t R, int64_t K, const uint16_t 
             }
     }
     free(xpad);
+    return 0;
 }
 """
 )
@@ -127,7 +129,7 @@ def load() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.kvchat_bf16_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-    lib.kvchat_bf16_linear.restype = None
+    lib.kvchat_bf16_linear.restype = ctypes.c_int
     return lib
 
 
@@ -153,7 +155,7 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     xc = x.contiguous()
     bf = None if bias is None else bias.to(torch.float32).contiguous()
     y = torch.empty((rows, out_features), dtype=torch.bfloat16)
-    lib.kvchat_bf16_linear(
+    status = lib.kvchat_bf16_linear(
         xc.data_ptr(),
         rows,
         x.shape[1],
@@ -163,4 +165,6 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.
         y.data_ptr(),
         torch.get_num_threads(),
     )
+    if status != 0:
+        raise MemoryError("bf16 linear kernel: out of memory for its padded input")
     return y

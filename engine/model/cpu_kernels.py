@@ -38,7 +38,7 @@ from engine.model.loader import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-PART = 256  # tokens per work item
+PART = 256  # tokens per work item (a multiple of 16: the bf16 score pass writes 16 tokens at a time)
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 
@@ -568,13 +568,13 @@ def bf16_pairs() -> bool:
     return "avx512_bf16" in cpu_flags()
 
 
-def supports(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether the kernel can take this query/cache pair (CPU, fp32 or bf16, contiguous pool rows)."""
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel can take these queries and caches (CPU, fp32 or bf16, contiguous pools of one shape)."""
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16)
-        and cache.dtype == q.dtype
-        and cache.is_contiguous()
+        and all(c.dtype == q.dtype and c.is_contiguous() for c in (k_cache, v_cache))
+        and v_cache.shape == k_cache.shape
         and q.stride(-1) == 1
         and q.stride(-2) == q.shape[-1]
     )

@@ -207,15 +207,15 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
     # In fp32 the kernel wins even then (AVX2 CPU, 2 threads, 30 layers at 2k context: 5.1 vs 9.6 ms; at 64 tokens
     # 0.9 vs 2.0 ms), and it wins with any gather to avoid (16 rows x 2k bf16: 285 vs 361 ms/step; shuffled 1 row x
     # 2k: 74 vs 80).
-    lone_bf16_run = (
-        group is not None and group.runs is not None and q.dtype == torch.bfloat16 and not cpu_kernels.bf16_pairs()
-    )
-    use_kernel = group is not None and not lone_bf16_run and cpu_kernels.supports(q, k_cache)
+    pairs = cpu_kernels.bf16_pairs() and q.shape[-1] % 32 == 0
+    lone_bf16_run = group is not None and group.runs is not None and q.dtype == torch.bfloat16 and not pairs
+    use_kernel = group is not None and not lone_bf16_run and cpu_kernels.supports(q, k_cache, v_cache)
     kernel = plan.kernel if use_kernel else None
     if group is not None and group.all_rows and kernel is None:
         return _attend_decode(q, k_cache, v_cache, group, plan.use_flash)
     out = q.new_empty(q.shape)
-    chunk_kernel = plan.prefill_kernel if plan.prefills and prefill_attention.supports(q, out, k_cache) else None
+    takes = plan.prefills and prefill_attention.supports(q, out, k_cache, v_cache)
+    chunk_kernel = plan.prefill_kernel if takes else None
     for span in plan.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         if chunk_kernel is not None:

@@ -8,14 +8,15 @@ additive mask). Per layer, bf16: 30 queries over 2k keys 0.64 vs SDPA 1.33 ms; a
 (fp32: 1.15 vs 1.27, 30 vs 68 ms).
 
 Work items are (kv head, tile of query positions); a tile holds every query head of the kv head's group for its
-positions (GQA without repeating K/V). Keys go in chunks of ``CK`` (64 with AVX-512, else 32): each chunk's K is
-converted to fp32 and transposed once per work item, its scores for ``RT`` rows at a time come from broadcast-FMAs
-over the head dim, then an online softmax and the V product update fp32 accumulators.
+positions (GQA without repeating K/V), as 16-row vectors (the query rows are the vector lanes). Keys go in chunks of
+64: the chunk's scores come from register tiles of keys x row vectors (a broadcast key value times a vector of query
+values, over the head dim), then an online softmax and the V product update fp32 accumulators.
 
 Exactness: a query row's output depends only on that row and its keys 0..pos: the key chunks start at absolute key 0
-whatever the tile, masked keys contribute exactly 0 (and a chunk wholly after the row is skipped), and each row's
-sums run in a fixed order. So a row computes to the same bits in a cold prefill as after a prefix-cache hit, and in
-any batch (unlike SDPA, whose blocking follows the chunk's shape).
+whatever the tile, masked keys contribute exactly 0 (a chunk wholly after the row leaves it unchanged: its max stays,
+exp(0) = 1 exactly, its weights are 0), and each row's sums run in a fixed order. So a row computes to the same bits
+in a cold prefill as after a prefix-cache hit, and in any batch (unlike SDPA, whose blocking follows the chunk's
+shape), given finite K/V (as with SDPA, 0 x Inf would not be 0).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from engine.device import cpu_flags
 from engine.model.cpu_kernels import C_PRELUDE, open_library
 
 MAX_HEAD_DIM = 256
+MAX_GROUP = 128  # query heads per kv head (the C side's 16 * MAXV rows)
 ROWS_PER_TILE = 96  # query rows (positions x group) per work item: more rows share each converted K/V chunk
 
 _SOURCE = (
@@ -222,7 +224,7 @@ static inline __attribute__((always_inline)) void tile(
         l[v] = (v16f){};
         for (int i = 0; i < 16; i++) {
             const int64_t r = 16 * v + i;
-            pos[v][i] = (int32_t)(start_pos + p0 + (r < rows ? r / group : -1)); /* padding rows see no key */
+            pos[v][i] = (int32_t)(start_pos + p0 + (r < rows ? r / group : -1)); /* (padding rows: never written) */
         }
     }
     const int64_t end = start_pos + p0 + tq; /* keys [0, end): the last row's causal horizon */
@@ -337,13 +339,16 @@ static inline __attribute__((always_inline)) void tile(
 /* out[p] = softmax(q[p] K^T * scale, keys 0..start_pos + p) V for the q_len rows of one sequence's chunk.
    q/out: [q_len, heads, D] with row strides q_stride/out_stride (elements); caches [blocks, block_size, kv_heads, D];
    table: the sequence's block ids (int64) covering start_pos + q_len tokens. D % DT == 0, D <= 256. */
-void kvchat_prefill_attention(
+int kvchat_prefill_attention(
     const void *q, int64_t q_stride, void *out, int64_t out_stride, int64_t q_len, int64_t start_pos,
     const void *k_cache, const void *v_cache, int64_t block_size, const int64_t *table,
     int64_t heads, int64_t kv_heads, int64_t dim, float scale, int bf16, int nthreads, int64_t rows_per_tile)
 {
     const int64_t group = heads / kv_heads;
+    if (q_len <= 0) return 0;
+    if (group > 16 * MAXV) return -2;
     if (rows_per_tile > 16 * MAXV) rows_per_tile = 16 * MAXV;
+    int failed = 0;
     int64_t tq_max = rows_per_tile / group > 0 ? rows_per_tile / group : 1;
     int64_t ntiles = (q_len + tq_max - 1) / tq_max;
     if (ntiles * kv_heads < 2 * nthreads) { /* keep every thread busy on short chunks */
@@ -359,6 +364,10 @@ void kvchat_prefill_attention(
         const size_t floats = (size_t)(2 * nrows * dim + (CK + KT) * nrows + 2 * (CK + KT) * dim + dim + CK + 16
                                        + (CK / 2 + 1) * nrows);
         float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
         float *qt = buf, *ot = qt + nrows * dim, *s = ot + nrows * dim, *kb = s + (CK + KT) * nrows;
         float *vb = kb + (CK + KT) * dim, *tmp = vb + (CK + KT) * dim;
         uint32_t *pp = (uint32_t *)(tmp + dim + CK + 16);
@@ -369,6 +378,7 @@ void kvchat_prefill_attention(
         const int by_head = start_pos >= q_len;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < ntiles * kv_heads; task++) {
+            if (!buf) continue;
             const int64_t ti = by_head ? task % ntiles : ntiles - 1 - task / kv_heads;
             const int64_t kvh = by_head ? task / ntiles : task % kv_heads;
             const int64_t p0 = ti * tq, n = q_len - p0 < tq ? q_len - p0 : tq;
@@ -385,6 +395,7 @@ void kvchat_prefill_attention(
         }
         free(buf);
     }
+    return failed ? -1 : 0;
 }
 """
 )
@@ -400,7 +411,7 @@ def load() -> ctypes.CDLL | None:
     fn = lib.kvchat_prefill_attention
     fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.argtypes += [ctypes.c_int, i64]
-    fn.restype = None
+    fn.restype = ctypes.c_int
     return lib
 
 
@@ -411,16 +422,19 @@ def worthwhile() -> bool:
     return "avx512f" in cpu_flags()
 
 
-def supports(q: torch.Tensor, out: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether the kernel takes this chunk: CPU, fp32 or bf16 throughout, unit-stride heads, contiguous pool."""
-    dim = q.shape[-1]
+def supports(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes this chunk: CPU, fp32 or bf16 throughout, unit-stride heads, contiguous pools, a
+    query group of at most ``MAX_GROUP`` heads."""
+    dim, heads, kv_heads = q.shape[-1], q.shape[-2], k_cache.shape[-2]
     return (
         worthwhile()
         and q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16)
-        and cache.dtype == q.dtype
+        and all(t.dtype == q.dtype and t.is_contiguous() for t in (k_cache, v_cache))
+        and v_cache.shape == k_cache.shape
         and out.dtype == q.dtype
-        and cache.is_contiguous()
+        and heads % kv_heads == 0
+        and heads // kv_heads <= MAX_GROUP
         and all(t.stride(-1) == 1 and t.stride(-2) == dim for t in (q, out))
         and dim % 16 == 0
         and dim <= MAX_HEAD_DIM
@@ -443,7 +457,7 @@ def prefill_attention(
     ``table``: int64 block ids covering ``start_pos + q_len`` tokens.
     """
     q_len, heads, dim = q.shape
-    lib.kvchat_prefill_attention(
+    status = lib.kvchat_prefill_attention(
         q.data_ptr(),
         q.stride(0),
         out.data_ptr(),
@@ -462,3 +476,7 @@ def prefill_attention(
         torch.get_num_threads(),
         ROWS_PER_TILE,
     )
+    if status == -1:
+        raise MemoryError("prefill attention kernel: out of memory for its scratch buffers")
+    if status != 0:
+        raise ValueError(f"prefill attention kernel refused the shapes (status {status})")

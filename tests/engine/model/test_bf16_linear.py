@@ -52,6 +52,19 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
         assert torch.equal(bf16_linear.linear(lib, x[i : i + 2], w)[:1], batch[i : i + 1])
 
 
+@needs_kernel
+def test_non_finite_inputs_stay_non_finite() -> None:
+    lib = bf16_linear.load()
+    assert lib is not None
+    x = torch.ones(5, 64, dtype=torch.bfloat16)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    w = torch.ones(20, 64, dtype=torch.bfloat16)
+    y = bf16_linear.linear(lib, x, w)
+    assert bool(y[1].isnan().all()) and bool(y[2].isinf().all())
+    assert bool((y[[0, 3, 4]] == 64).all())
+
+
 def test_fits_only_what_the_kernel_takes() -> None:
     w = torch.zeros(8, 64, dtype=torch.bfloat16)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)

@@ -111,11 +111,29 @@ def test_supports_only_what_the_kernel_takes(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(prefill_attention, "worthwhile", lambda: True)
     cache = torch.zeros(2, 4, 2, 64)
     q = torch.zeros(3, 4, 64)
-    assert prefill_attention.supports(q, torch.empty_like(q), cache)
-    assert not prefill_attention.supports(q.to(torch.bfloat16), torch.empty_like(q), cache)  # mixed dtypes
+    out = torch.empty_like(q)
+    assert prefill_attention.supports(q, out, cache, cache)
+    assert not prefill_attention.supports(q.to(torch.bfloat16), out, cache, cache)  # mixed dtypes
+    assert not prefill_attention.supports(q, out, cache, cache.transpose(0, 1))  # a V pool that is not contiguous
     odd = torch.zeros(3, 4, 24)
-    assert not prefill_attention.supports(odd, torch.empty_like(odd), torch.zeros(2, 4, 2, 24))  # 24 % 16 != 0
+    odd_cache = torch.zeros(2, 4, 2, 24)
+    assert not prefill_attention.supports(odd, torch.empty_like(odd), odd_cache, odd_cache)  # 24 % 16 != 0
     big = torch.zeros(3, 4, 512)
-    assert not prefill_attention.supports(big, torch.empty_like(big), torch.zeros(2, 4, 2, 512))  # > 256
+    big_cache = torch.zeros(2, 4, 2, 512)
+    assert not prefill_attention.supports(big, torch.empty_like(big), big_cache, big_cache)  # > 256
+    wide = torch.zeros(3, 2 * (prefill_attention.MAX_GROUP + 1), 64)
+    assert not prefill_attention.supports(wide, torch.empty_like(wide), cache, cache)  # a group of 129 heads
+    uneven = torch.zeros(3, 5, 64)
+    assert not prefill_attention.supports(uneven, torch.empty_like(uneven), cache, cache)  # 5 heads over 2 kv heads
     monkeypatch.setattr(prefill_attention, "worthwhile", lambda: False)
-    assert not prefill_attention.supports(q, torch.empty_like(q), cache)
+    assert not prefill_attention.supports(q, out, cache, cache)
+
+
+@needs_kernel
+def test_an_empty_chunk_is_a_no_op() -> None:
+    lib = prefill_attention.load()
+    assert lib is not None
+    k, v, table = _pool(torch.float32, 2, 64, 8, 4, seed=1)
+    out = torch.zeros(0, 4, 64)
+    prefill_attention.prefill_attention(lib, torch.zeros(0, 4, 64), out, 8, k, v, table, 0.125)
+    assert out.shape == (0, 4, 64)
