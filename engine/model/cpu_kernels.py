@@ -63,6 +63,20 @@ static inline uint16_t bf16_store(float f) {  /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
+/* dst[0:n] = row as fp32; returns a pointer to the fp32 values (the row itself when it already is fp32). */
+static inline const float *row_f32(const void *base, int64_t off, int64_t n, int bf16, float *restrict dst) {
+    if (!bf16) return (const float *)base + off;
+    const uint16_t *src = (const uint16_t *)base + off;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)src[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        dst[i] = f;
+    }
+    return dst;
+}
+
 /* GCC vector extensions: 16 fp32 lanes (one AVX-512 register, two AVX2 ones, scalar code elsewhere). */
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -122,20 +136,6 @@ static inline __attribute__((always_inline)) v16f sum16(const float *a) {
 _SOURCE = (
     C_PRELUDE
     + r"""
-/* dst[0:n] = row as fp32; returns a pointer to the fp32 values (the row itself when it already is fp32). */
-static inline const float *row_f32(const void *base, int64_t off, int64_t n, int bf16, float *restrict dst) {
-    if (!bf16) return (const float *)base + off;
-    const uint16_t *src = (const uint16_t *)base + off;
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u = (uint32_t)src[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        dst[i] = f;
-    }
-    return dst;
-}
-
 #ifndef PREFETCH
 #define PREFETCH 32 /* tokens ahead (K/V rows of a kv head are strided and blocks jump); 16 x 1k fp32: 46 -> 39 ms */
 #endif

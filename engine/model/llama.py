@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
-from engine.model import cpu_kernels
+from engine.model import bf16_linear, cpu_kernels, prefill_attention
 from engine.model.gguf_blocks import PackedBlocks
 from engine.model.linear import Weight, dense, linear
 from engine.model.packed import PackedWeight, pack
@@ -184,6 +184,10 @@ class LlamaModel:
         self.rope = rope_tables(spec, max_len, self.dtype, device)
         self.scale = spec.head_dim**-0.5
         self.kernels = cpu_kernels.load() if device.type == "cpu" else None
+        if device.type == "cpu":  # NOTE: built (once per machine) now, at load, rather than on the first request
+            prefill_attention.load()
+            if self.dtype == torch.bfloat16:
+                bf16_linear.load()
 
     def forward(
         self,

@@ -74,16 +74,10 @@ static inline __attribute__((always_inline)) vt in_register(vt v) {
     return v;
 }
 
+/* dst[0:n] = row as fp32 (a copy also for an fp32 row) */
 static inline void row_to_f32(const void *base, int64_t off, int64_t n, int bf16, float *restrict dst) {
-    if (!bf16) { memcpy(dst, (const float *)base + off, sizeof(float) * (size_t)n); return; }
-    const uint16_t *src = (const uint16_t *)base + off;
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u = (uint32_t)src[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        dst[i] = f;
-    }
+    const float *src = row_f32(base, off, n, bf16, dst);
+    if (src != dst) memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 
 /* s[j][rv] = q_rows . k_j for keys j0..j0+KT and row vectors rv0..rv0+NR (NR <= 4). qt: [D][rows] */
