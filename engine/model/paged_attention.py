@@ -46,12 +46,14 @@ class PrefillSpan:
     # NOTE: the mask as 0/-inf in the query's dtype, built once per step and reused by every layer: SDPA converts a
     # bool mask on each call (2k keys x 30 rows: ~5% of the call)
     additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    ids: torch.Tensor | None = None  # ``blocks`` as int64 ids, built once per step for the C kernel
 
     def table(self) -> torch.Tensor:
-        """The block ids as an int64 tensor (for the C kernel)."""
-        if isinstance(self.blocks, slice):
-            self.blocks = torch.arange(self.blocks.start, self.blocks.stop, dtype=torch.long)
-        return self.blocks
+        """The block ids as an int64 tensor (for the C kernel); ``blocks`` itself stays a slice (a view for SDPA)."""
+        if self.ids is None:
+            blocks = self.blocks
+            self.ids = blocks if isinstance(blocks, torch.Tensor) else torch.arange(blocks.start, blocks.stop)
+        return self.ids
 
     def attn_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         if self.mask is None:
