@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model import gguf_blocks
+from engine.model import gguf_blocks, panel_linear
 from engine.model.llama import LlamaModel, ModelWeights
 from engine.model.loader import ResolvedModel, eos_token_ids, open_checkpoint, read_config, resolve_model
 from engine.model.spec import ModelSpec
@@ -44,8 +44,9 @@ def load_model(
     fingerprint: str | None = None,
     packed_weights: bool = True,
 ) -> LoadedModel:
-    """Read config + safetensors of ``folder`` into fused weights on ``device`` in ``dtype``; on CPU, linear layers
-    whose GGUF blocks were kept (``gguf_blocks``) are also packed, unless ``packed_weights`` is False."""
+    """Read config + safetensors of ``folder`` into fused weights on ``device`` in ``dtype``. On CPU, linear layers
+    whose GGUF blocks were kept (``gguf_blocks``) are also packed, unless ``packed_weights`` is False; in fp32 where
+    the panel kernel runs (``panel_linear``), every linear layer is then held as panels (plus its blocks)."""
     started = time.monotonic()
     spec = ModelSpec.from_hf_config(read_config(folder))
     with open_checkpoint(folder) as get:
@@ -54,12 +55,15 @@ def load_model(
         blocks = gguf_blocks.read(folder)
         if blocks:
             weights = weights.with_packed(blocks)
+    if device.type == "cpu" and dtype == torch.float32 and panel_linear.load() is not None:
+        weights = weights.with_panels()
     log.info(
-        "loaded %s (%s, %s, %d packed weights) in %.1fs",
+        "loaded %s (%s, %s, %d packed weights, %d as panels) in %.1fs",
         folder,
         spec.model_type,
         dtype,
         weights.num_packed,
+        weights.num_panels,
         time.monotonic() - started,
     )
     return LoadedModel(spec, weights, folder, eos_token_ids(folder, spec), device, dtype, fingerprint)

@@ -4,6 +4,8 @@
   kernel, ``bf16_linear.py``);
 * ``PackedWeight``: the GGUF's quantized blocks, lossless (``packed.py``; on by default for GGUF-converted models;
   in bf16 only where the few-row kernel is not available, and for up to ``PACKED_MAX_ROWS_BF16`` rows);
+* ``PanelWeight``: fp32 weights in 16-output panels for our outer-product kernel (``panel_linear.py``; on AVX2 CPUs
+  without AVX-512, in fp32, in place of both of the above);
 * ``Int8Weight``: opt-in weight-only int8, lossy (``quant.py``).
 """
 
@@ -12,14 +14,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.model import bf16_linear, packed, quant
+from engine.model import bf16_linear, packed, panel_linear, quant
 from engine.model.packed import PackedWeight
+from engine.model.panel_linear import PanelWeight
 from engine.model.quant import Int8Weight
 
-Weight = torch.Tensor | PackedWeight | Int8Weight
+Weight = torch.Tensor | PackedWeight | PanelWeight | Int8Weight
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, PanelWeight):
+        if weight.blocks is not None and weight.fmt is not None and 0 < x.shape[0] <= panel_linear.BLOCKS_MAX_ROWS:
+            blocks_lib = packed.load()
+            if blocks_lib is not None:
+                return packed.blocks_linear(blocks_lib, x, weight.blocks, weight.fmt, weight.out_features, bias)
+        lib = panel_linear.load()
+        if lib is None:  # NOTE: not reached: weights are only made panels where the kernel loaded
+            raise RuntimeError("panel weights without the panel kernel")
+        return panel_linear.linear(lib, x, weight, bias)
     if isinstance(weight, Int8Weight):
         return quant.linear(x, weight, bias)
     lib = bf16_linear.load() if x.dtype == torch.bfloat16 else None

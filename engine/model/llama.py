@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
-from engine.model import bf16_linear, cpu_kernels, prefill_attention
+from engine.model import bf16_linear, cpu_kernels, panel_linear, prefill_attention
 from engine.model.gguf_blocks import PackedBlocks
 from engine.model.linear import Weight, dense, linear
 from engine.model.packed import PackedWeight, pack
 from engine.model.paged_attention import AttentionPlan, attend, write_kv
+from engine.model.panel_linear import PanelWeight, to_panels
 from engine.model.quant import quantize
 from engine.model.spec import ModelSpec, RopeSpec
 
@@ -106,11 +107,37 @@ class ModelWeights:
         head = packed(self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"])
         return ModelWeights(self.embed, layers, self.norm, head)
 
+    def with_panels(self) -> ModelWeights:
+        """The same fp32 weights with every linear layer and the LM head as 16-output panels (``panel_linear``);
+        packed weights keep their GGUF blocks too. The dense copies are dropped (the embedding table stays)."""
+
+        def panels(w: Weight) -> Weight:
+            if isinstance(w, PackedWeight):
+                return to_panels(w.dense, w.blocks, w.fmt)
+            return w if isinstance(w, PanelWeight) else to_panels(dense(w))
+
+        layers = [
+            dataclasses.replace(
+                layer, qkv=panels(layer.qkv), o=panels(layer.o), gate_up=panels(layer.gate_up), down=panels(layer.down)
+            )
+            for layer in self.layers
+        ]
+        return ModelWeights(self.embed, layers, self.norm, panels(self.lm_head))
+
+    def _linear_weights(self) -> list[Weight]:
+        return [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
     @property
     def num_packed(self) -> int:
-        """How many of the linear weights (4 per layer + the LM head) are packed."""
-        weights = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return sum(isinstance(w, PackedWeight) for w in weights)
+        """How many of the linear weights (4 per layer + the LM head) hold their GGUF blocks (packed, or panels
+        with blocks)."""
+        weights = self._linear_weights()
+        return sum(isinstance(w, PackedWeight) or (isinstance(w, PanelWeight) and w.blocks is not None) for w in weights)
+
+    @property
+    def num_panels(self) -> int:
+        """How many of the linear weights (4 per layer + the LM head) are held as panels."""
+        return sum(isinstance(w, PanelWeight) for w in self._linear_weights())
 
 
 def _layer(
@@ -186,6 +213,8 @@ class LlamaModel:
         self.kernels = cpu_kernels.load() if device.type == "cpu" else None
         if device.type == "cpu":  # NOTE: built (once per machine) now, at load, rather than on the first request
             prefill_attention.load()
+            if self.dtype == torch.float32:
+                panel_linear.load()
             if self.dtype == torch.bfloat16:
                 bf16_linear.load()
 

@@ -342,6 +342,17 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     limit = PACKED_MAX_ROWS_BF16 if x.dtype == torch.bfloat16 else PACKED_MAX_ROWS
     if lib is None or not fits or rows > limit or rows == 0:
         return F.linear(x, weight.dense, bias)  # (which raises the usual error for a shape that does not fit)
+    return blocks_linear(lib, x, weight.blocks, weight.fmt, out_features, bias)
+
+
+def blocks_linear(
+    lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, fmt: str, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` straight from the GGUF ``blocks`` of ``W`` (``[rows, in]`` fp32 or bf16 ``x``, at least
+    one row: the kernel's one- and two-row paths read two rows)."""
+    rows, in_features = x.shape
+    if rows == 0:
+        raise ValueError("blocks_linear needs at least one row")
     xf = x.to(torch.float32).contiguous()
     bf = None if bias is None else bias.to(torch.float32).contiguous()
     y = torch.empty((rows, out_features), dtype=x.dtype)
@@ -349,8 +360,8 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
         xf.data_ptr(),
         rows,
         in_features,
-        weight.blocks.data_ptr(),
-        FORMATS[weight.fmt][0],
+        blocks.data_ptr(),
+        FORMATS[fmt][0],
         out_features,
         None if bf is None else bf.data_ptr(),
         y.data_ptr(),

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine.errors import ModelLoadError
-from engine.model import gguf_blocks, packed
+from engine.model import gguf_blocks, packed, panel_linear
 from engine.model.loader import DEFAULT_MODEL, fingerprint, resolve_model
 from engine.model.spec import ModelSpec
 from engine.model_runner import BatchItem, ModelRunner
@@ -146,6 +146,8 @@ def test_smollm2_converts_once_and_matches_hf(smollm2_cache: str) -> None:
     assert (first.path / gguf_blocks.BLOCKS_FILE).is_file()
     if packed.load() is not None:  # every linear layer (4 per layer) and the tied LM head read the GGUF's blocks
         assert runner.model.weights.num_packed == 4 * 30 + 1
+    # in fp32 on an AVX2-only CPU every linear weight is held as panels (and keeps its blocks for few rows)
+    assert runner.model.weights.num_panels == (4 * 30 + 1 if panel_linear.load() is not None else 0)
     assert runner.vocab_size == 49152
     assert runner.eos_token_ids == (2,)
     ids = [1, 31530, 28, 957, 1462, 314, 216, 34, 2]  # any short prompt

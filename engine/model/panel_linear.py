@@ -1,0 +1,180 @@
+"""fp32 matmuls over weights held in 16-output panels: ``y = x W^T (+ bias)`` for any number of rows (AVX2/FMA).
+
+Why: on an AVX2 CPU without AVX-512, in fp32 (what ``dtype=auto`` picks there), both ``F.linear`` and the packed GGUF
+kernel leave a third of the multiply-add rate unused for the row counts a server runs: ``F.linear`` is built for many
+rows, and the packed kernel spends a quarter of its instructions dequantizing. Measured on a 2-core AMD EPYC (Zen 1,
+~33 GMAC/s fp32 peak for a large GEMM), SmolLM2's 210 linear layers + LM head per step:
+
+    rows         1      4     16     30     64    512
+    panels    25.5   31.2   70.0    120    251   1850 ms
+    packed    26.9   42.1   99.4    161      -      - ms   (the Q4/Q8 blocks, ``packed.py``)
+    F.linear  42.4    106    178    236    389   2331 ms
+
+Layout: ``panels[p, k, j] = W[16 p + j, k]`` (zeros past the last output), so one 16-output slice of a weight column
+is two vector loads. Kernel: the classic outer-product register tile (as in BLIS/GotoBLAS): for each ``k`` a row's
+``x[k]`` is broadcast and multiplied into 16 outputs at once; tiles of 6 rows x 1 panel (12 accumulators), 4 x 1,
+2 x 2 and 1 x 3 panels; threads split the panels. Holding the same weights as dense fp32 (no extra memory: it
+replaces the dense copy), the panels need no dequantization, no horizontal sums and no tile buffer.
+
+Exactness: every output is one fused multiply-add chain over ``k = 0 .. K-1`` from zero (then ``+ bias``), whatever
+the tile or the batch, so a row gives the same bits alone and in any batch (test); results differ from ``F.linear``
+only by summation order. Built and used only on x86 CPUs with AVX2 and FMA but no AVX-512 (where it was measured);
+elsewhere the dense and packed paths stay.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from engine.device import cpu_flags
+from engine.model.cpu_kernels import open_library
+
+PANEL = 16  # outputs per panel (two 8-lane vectors)
+
+# NOTE: where a weight also has its GGUF blocks, batches of up to this many rows read those instead (packed.py): at
+# one or two rows a step is bound by reading weights, and the blocks are ~6x fewer bytes.
+# Measured (Zen 1, 2 threads, fp32, SmolLM2 decode step at 1k context): 40 vs 45 ms at one row, 48 vs 54 at two; about
+# even at three; the panels ahead from four (34 vs 43 ms for the linear layers alone).
+BLOCKS_MAX_ROWS = 2
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+
+/* c[r][j] = x_r . panel column j for MR rows: one fma chain per output over k, from zero. (Written this way,
+   gcc keeps the 2 MR accumulators in registers; more general forms, [MR][NP][2] arrays or several panels, got
+   them spilled to the stack on every step.) */
+#define TILE(MR)                                                                                              \
+static inline __attribute__((always_inline)) void tile_##MR(const float *x, int64_t K, const float *pan,     \
+                                                            float *c) {                                       \
+    __m256 acc[MR][2];                                                                                        \
+    for (int r = 0; r < MR; r++) {                                                                            \
+        acc[r][0] = _mm256_setzero_ps();                                                                      \
+        acc[r][1] = _mm256_setzero_ps();                                                                      \
+    }                                                                                                         \
+    for (int64_t k = 0; k < K; k++) {                                                                         \
+        const __m256 b0 = _mm256_loadu_ps(pan + k * 16), b1 = _mm256_loadu_ps(pan + k * 16 + 8);              \
+        for (int r = 0; r < MR; r++) {                                                                        \
+            const __m256 a = _mm256_broadcast_ss(x + r * K + k);                                              \
+            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);                                                    \
+            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);                                                    \
+        }                                                                                                     \
+    }                                                                                                         \
+    for (int r = 0; r < MR; r++) {                                                                            \
+        _mm256_storeu_ps(c + r * 16, acc[r][0]);                                                              \
+        _mm256_storeu_ps(c + r * 16 + 8, acc[r][1]);                                                          \
+    }                                                                                                         \
+}
+TILE(6)
+TILE(4)
+TILE(2)
+TILE(1)
+
+/* rows r0 .. r0 + mr of y for panel p (+ bias), from the tile's results c */
+static inline void put(const float *c, int mr, int64_t r0, int64_t p, int64_t O, const float *bias, float *y) {
+    const int64_t o0 = p * 16, n = O - o0 < 16 ? O - o0 : 16;
+    for (int r = 0; r < mr; r++) {
+        float *dst = y + (r0 + r) * O + o0;
+        for (int64_t j = 0; j < n; j++) dst[j] = c[r * 16 + j] + (bias ? bias[o0 + j] : 0.0f);
+    }
+}
+
+/* y[R][O] = x[R][K] . W^T (+ bias) with W as panels [ceil(O / 16)][K][16]; threads split the panels, and each
+   panel (read from memory once) serves every row tile from cache */
+void kvchat_panel_linear(const float *x, int64_t R, int64_t K, const float *panels, int64_t O, const float *bias,
+                         float *y, int nthreads)
+{
+    const int64_t npanels = (O + 15) / 16;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < npanels; p++) {
+        float c[6 * 16];
+        const float *pan = panels + p * K * 16;
+        int64_t r = 0;
+        for (; r + 6 <= R; r += 6) { tile_6(x + r * K, K, pan, c); put(c, 6, r, p, O, bias, y); }
+        if (r + 4 <= R) { tile_4(x + r * K, K, pan, c); put(c, 4, r, p, O, bias, y); r += 4; }
+        if (r + 2 <= R) { tile_2(x + r * K, K, pan, c); put(c, 2, r, p, O, bias, y); r += 2; }
+        if (r < R) { tile_1(x + r * K, K, pan, c); put(c, 1, r, p, O, bias, y); }
+    }
+}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class PanelWeight:
+    """A linear weight ``[out, in]`` held as fp32 panels ``[ceil(out / 16), in, 16]`` (zeros past ``out``), and
+    optionally as the GGUF blocks it was dequantized from (``packed.py``; for ``BLOCKS_MAX_ROWS`` rows or fewer)."""
+
+    panels: torch.Tensor
+    out_features: int
+    blocks: torch.Tensor | None = None
+    fmt: str | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.panels.shape[1]))
+
+    @property
+    def dense(self) -> torch.Tensor:
+        """The weight as a dense ``[out, in]`` tensor (a new copy)."""
+        n, k = self.panels.shape[0], self.panels.shape[1]
+        return self.panels.permute(0, 2, 1).reshape(n * PANEL, k)[: self.out_features].contiguous()
+
+
+def to_panels(weight: torch.Tensor, blocks: torch.Tensor | None = None, fmt: str | None = None) -> PanelWeight:
+    """``weight`` (``[out, in]``, fp32) as panels (keeping its GGUF ``blocks`` in format ``fmt``, if given)."""
+    out_features, in_features = weight.shape
+    n = -(-out_features // PANEL)
+    padded = torch.zeros(n * PANEL, in_features, dtype=torch.float32, device=weight.device)
+    padded[:out_features] = weight
+    panels = padded.view(n, PANEL, in_features).transpose(1, 2).contiguous()
+    return PanelWeight(panels, out_features, blocks, fmt)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this CPU is one the kernel is built and used for: x86 with AVX2 and FMA, no AVX-512."""
+    flags = cpu_flags()
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel; None where ``available()`` is False, kernels are disabled or the build fails."""
+    if not available():
+        return None
+    lib = open_library("panel_linear", _SOURCE, "the dense and packed weights")
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kvchat_panel_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.kvchat_panel_linear.restype = None
+    return lib
+
+
+def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight.dense, bias)`` for fp32 CPU ``x`` ``[rows, in]``."""
+    rows, in_features = x.shape
+    if x.dtype != torch.float32 or in_features != weight.panels.shape[1]:
+        raise ValueError(
+            f"panel weight [{weight.out_features}, {weight.panels.shape[1]}] cannot take {x.dtype} "
+            f"input of shape {tuple(x.shape)}"
+        )
+    xc = x.contiguous()
+    bf = None if bias is None else bias.to(torch.float32).contiguous()
+    y = torch.empty((rows, weight.out_features), dtype=torch.float32)
+    lib.kvchat_panel_linear(
+        xc.data_ptr(),
+        rows,
+        in_features,
+        weight.panels.data_ptr(),
+        weight.out_features,
+        None if bf is None else bf.data_ptr(),
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return y

@@ -1,0 +1,109 @@
+"""The fp32 panel matmul kernel against float64, its batch invariance, the panel layout, and the ``linear`` dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import linear, packed, panel_linear
+from engine.model.panel_linear import PanelWeight, to_panels
+
+needs_kernel = pytest.mark.skipif(
+    panel_linear.load() is None, reason="not an AVX2-without-AVX-512 CPU (or no compiler)"
+)
+
+
+def test_panels_hold_the_weight_column_slices_and_give_it_back() -> None:
+    w = torch.arange(37 * 5, dtype=torch.float32).reshape(37, 5)
+    pw = to_panels(w)
+    assert pw.panels.shape == (3, 5, 16) and pw.shape == (37, 5) and pw.out_features == 37
+    assert torch.equal(pw.panels[1, 2], w[16:32, 2])  # panel 1, input 2: outputs 16..31
+    assert torch.equal(pw.panels[2, 4, :5], w[32:, 4])
+    assert bool((pw.panels[2, :, 5:] == 0).all())  # padding past the last output
+    assert torch.equal(pw.dense, w) and pw.dense.is_contiguous()
+    assert pw.blocks is None and pw.fmt is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 16, 30, 100])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (7, 33), (1536, 16), (64, 5)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_float64(rows: int, in_features: int, out_features: int, with_bias: bool) -> None:
+    lib = panel_linear.load()
+    assert lib is not None
+    gen = torch.Generator().manual_seed(rows * 31 + in_features + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    y = panel_linear.linear(lib, x, to_panels(w), bias)
+    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+    # fp32 rounding of a sequential sum of in_features products of unit-normal values
+    allowed = 1e-6 * in_features * (1 + exact.abs())
+    assert bool(((y.double() - exact).abs() <= allowed).all())
+
+
+@needs_kernel
+def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
+    lib = panel_linear.load()
+    assert lib is not None
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(31, 576, generator=gen)
+    pw = to_panels(torch.randn(200, 576, generator=gen))
+    batch = panel_linear.linear(lib, x, pw)
+    # every tile shape (6, 4, 2 and 1 rows) computes row i in the same order
+    for i in (0, 5, 12, 29, 30):
+        for n in (1, 2, 3, 4, 5, 6, 7):
+            if i + n <= 31:
+                assert torch.equal(panel_linear.linear(lib, x[i : i + n], pw)[0], batch[i])
+
+
+@needs_kernel
+def test_non_finite_inputs_stay_non_finite() -> None:
+    lib = panel_linear.load()
+    assert lib is not None
+    x = torch.ones(5, 64)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    y = panel_linear.linear(lib, x, to_panels(torch.ones(20, 64)))
+    assert bool(y[1].isnan().all()) and bool(y[2].isinf().all())
+    assert bool((y[[0, 3, 4]] == 64).all())
+
+
+@needs_kernel
+def test_bad_inputs_are_refused_with_a_clear_error() -> None:
+    lib = panel_linear.load()
+    assert lib is not None
+    pw = to_panels(torch.zeros(8, 64))
+    with pytest.raises(ValueError, match="cannot take"):
+        panel_linear.linear(lib, torch.zeros(2, 48), pw)
+    with pytest.raises(ValueError, match="cannot take"):
+        panel_linear.linear(lib, torch.zeros(2, 64, dtype=torch.bfloat16), pw)
+
+
+@needs_kernel
+def test_linear_reads_the_blocks_for_few_rows_and_the_panels_beyond() -> None:
+    blocks_lib, lib = packed.load(), panel_linear.load()
+    assert blocks_lib is not None and lib is not None
+    gen = torch.Generator().manual_seed(3)
+    # q8_0 blocks (scale 1/64, int8 values) and the dense weights they stand for
+    q = torch.randint(-127, 128, (48, 64), generator=gen, dtype=torch.int8)
+    scale = torch.tensor([1 / 64], dtype=torch.float16).view(torch.uint8)
+    blocks = torch.cat(
+        [torch.cat([scale, q[o, b * 32 : (b + 1) * 32].view(torch.uint8)]) for o in range(48) for b in (0, 1)]
+    )
+    blocks = blocks.view(48, 2 * 34)
+    w = q.float() / 64
+    pw = to_panels(w, blocks, "q8_0")
+    assert isinstance(pw, PanelWeight)
+    for rows in range(1, 6):
+        x = torch.randn(rows, 64, generator=gen)
+        y = linear.linear(x, pw)
+        if rows <= panel_linear.BLOCKS_MAX_ROWS:
+            assert torch.equal(y, packed.blocks_linear(blocks_lib, x, blocks, "q8_0", 48, None))
+        else:
+            assert torch.equal(y, panel_linear.linear(lib, x, pw))
+        assert torch.allclose(y, F.linear(x, w), atol=1e-5)
+    assert linear.linear(torch.zeros(0, 64), pw).shape == (0, 48)
+    assert torch.equal(linear.dense(pw), w)
