@@ -131,13 +131,16 @@ class ModelWeights:
     def num_packed(self) -> int:
         """How many of the linear weights (4 per layer + the LM head) hold their GGUF blocks (packed, or panels
         with blocks)."""
-        weights = self._linear_weights()
-        return sum(isinstance(w, PackedWeight) or (isinstance(w, PanelWeight) and w.blocks is not None) for w in weights)
+        return sum(_has_blocks(w) for w in self._linear_weights())
 
     @property
     def num_panels(self) -> int:
         """How many of the linear weights (4 per layer + the LM head) are held as panels."""
         return sum(isinstance(w, PanelWeight) for w in self._linear_weights())
+
+
+def _has_blocks(w: Weight) -> bool:
+    return isinstance(w, PackedWeight) or (isinstance(w, PanelWeight) and w.blocks is not None)
 
 
 def _layer(

@@ -64,7 +64,6 @@ def test_kernel_matches_torch_path(
     assert (ours.float() - ref.float()).abs().max().item() <= tol
 
 
-
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_decode_row_gives_the_same_bits_alone_and_in_a_batch(dtype: torch.dtype) -> None:
@@ -74,6 +73,7 @@ def test_a_decode_row_gives_the_same_bits_alone_and_in_a_batch(dtype: torch.dtyp
     for i, item in enumerate(items):
         alone = attend(q[i : i + 1], k, v, build_plan([item], 4, torch.device("cpu")))
         assert torch.equal(alone, batch[i : i + 1])
+
 
 def test_missing_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
     monkeypatch.setattr(cpu_kernels, "load", cpu_kernels.load.__wrapped__)
