@@ -220,14 +220,17 @@ static inline __attribute__((always_inline)) __m256 sum8x8(const __m256 *v) {
    rows x 32 dims of accumulators (12 registers) over the part's tokens, the broadcast weight times V's row.
    Measured on a Zen 1 EPYC, 16 x 1k context, 30 layers: 61 -> 44 ms with K/V in cache, 94 -> 78 ms from memory. */
 static inline __attribute__((always_inline)) void scores_avx2(
-    const int64_t dim, const int64_t group, const float *qf, const float *k_cache, const int64_t *offs,
-    const int64_t n, const int64_t part_len, float *restrict s, float *restrict red, const int64_t pf_len)
+    const int64_t dim, const int64_t group, const float *qf, const float *k_cache, const float *v_cache,
+    const int64_t *offs, const int64_t n, const int64_t part_len, float *restrict s, float *restrict red,
+    const int64_t pf_len)
 {
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
         for (int64_t t = 0; t < 8; t++) {
             if (i0 + t + PREFETCH < n) {
                 const char *nk = (const char *)(k_cache + offs[i0 + t + PREFETCH]);
+                const char *nv = (const char *)(v_cache + offs[i0 + t + PREFETCH]);
                 for (int64_t c = 0; c < pf_len * 4; c += 64) __builtin_prefetch(nk + c);
+                for (int64_t c = 0; c < pf_len * 4; c += 64) __builtin_prefetch(nv + c, 0, 2);
             }
             if (i0 + t >= n) {
                 for (int64_t g = 0; g < group; g++) memset(red + (g * 8 + t) * 8, 0, 32);
@@ -352,7 +355,7 @@ static inline __attribute__((always_inline)) void part(
     }
 #if DECODE_AVX2
     if (!bf16 && dim % 32 == 0)
-        scores_avx2(dim, group, qf, (const float *)k_cache, offs, n, part_len, s, red, pf_len);
+        scores_avx2(dim, group, qf, (const float *)k_cache, (const float *)v_cache, offs, n, part_len, s, red, pf_len);
     else
 #endif
 #if DECODE_PAIRS
