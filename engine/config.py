@@ -27,7 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
     quantization: str | None = (
-        None  # None, or "int8": weight-only int8 on CPU (faster decode, slightly different outputs)
+        None  # None, or "int8": weight-only int8 on CPU (slightly different outputs; faster only with AVX-512 int8)
     )
     # NOTE: lossless: a GGUF-converted model's linear layers also keep their quantized blocks, which few-row matmuls
     # (decode steps) read instead of the dense weights; they are used only where they reproduce the dense weights
