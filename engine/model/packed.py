@@ -349,7 +349,7 @@ def blocks_linear(
     lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, fmt: str, out_features: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x @ W^T (+ bias)`` straight from the GGUF ``blocks`` of ``W`` (``[rows, in]`` fp32 or bf16 ``x``, at least
-    one row: the kernel's one- and two-row paths read two rows)."""
+    one row: with none the kernel would take its two-row path and read past ``x``)."""
     rows, in_features = x.shape
     if rows == 0:
         raise ValueError("blocks_linear needs at least one row")
