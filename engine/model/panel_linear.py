@@ -12,9 +12,10 @@ rows, and the packed kernel spends a quarter of its instructions dequantizing. M
 
 Layout: ``panels[p, k, j] = W[16 p + j, k]`` (zeros past the last output), so one 16-output slice of a weight column
 is two vector loads. Kernel: the classic outer-product register tile (as in BLIS/GotoBLAS): for each ``k`` a row's
-``x[k]`` is broadcast and multiplied into 16 outputs at once; tiles of 6 rows x 1 panel (12 accumulators), 4 x 1,
-2 x 2 and 1 x 3 panels; threads split the panels. Holding the same weights as dense fp32 (no extra memory: it
-replaces the dense copy), the panels need no dequantization, no horizontal sums and no tile buffer.
+``x[k]`` is broadcast and multiplied into 16 outputs at once; tiles of 6 rows x one panel (12 accumulators), then
+4, 2 and 1 rows for the rest of the batch; threads split the panels, and each panel serves every row tile from cache.
+Holding the same weights as dense fp32 (no extra memory: it replaces the dense copy), the panels need no
+dequantization and no horizontal sums.
 
 Exactness: every output is one fused multiply-add chain over ``k = 0 .. K-1`` from zero (then ``+ bias``), whatever
 the tile or the batch, so a row gives the same bits alone and in any batch (test); results differ from ``F.linear``
