@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model import gguf_blocks, panel_linear
+from engine.model import gguf_blocks, onednn_linear, panel_linear
 from engine.model.llama import LlamaModel, ModelWeights
 from engine.model.loader import ResolvedModel, eos_token_ids, open_checkpoint, read_config, resolve_model
 from engine.model.spec import ModelSpec
@@ -46,7 +46,8 @@ def load_model(
 ) -> LoadedModel:
     """Read config + safetensors of ``folder`` into fused weights on ``device`` in ``dtype``. On CPU, linear layers
     whose GGUF blocks were kept (``gguf_blocks``) are also packed, unless ``packed_weights`` is False; in fp32 where
-    the panel kernel runs (``panel_linear``), every linear layer is then held as panels (plus its blocks)."""
+    the panel kernel runs (``panel_linear``), every linear layer is then held as panels (plus its blocks); in bf16 on a
+    CPU with AMX (``onednn_linear``), every linear layer also gets oneDNN's reordered copy."""
     started = time.monotonic()
     spec = ModelSpec.from_hf_config(read_config(folder))
     with open_checkpoint(folder) as get:
@@ -57,13 +58,16 @@ def load_model(
             weights = weights.with_packed(blocks)
     if device.type == "cpu" and dtype == torch.float32 and panel_linear.load() is not None:
         weights = weights.with_panels()
+    if device.type == "cpu" and dtype == torch.bfloat16 and onednn_linear.available():
+        weights = weights.with_onednn()
     log.info(
-        "loaded %s (%s, %s, %d packed weights, %d as panels) in %.1fs",
+        "loaded %s (%s, %s, %d packed weights, %d as panels, %d reordered for oneDNN) in %.1fs",
         folder,
         spec.model_type,
         dtype,
         weights.num_packed,
         weights.num_panels,
+        weights.num_reordered,
         time.monotonic() - started,
     )
     return LoadedModel(spec, weights, folder, eos_token_ids(folder, spec), device, dtype, fingerprint)

@@ -6,7 +6,9 @@
   in bf16 only where the few-row kernel is not available, and for up to ``PACKED_MAX_ROWS_BF16`` rows);
 * ``PanelWeight``: fp32 weights in 16-output panels for our outer-product kernel (``panel_linear.py``; on AVX2 CPUs
   without AVX-512, in fp32, in place of both of the above);
-* ``Int8Weight``: opt-in weight-only int8, lossy (``quant.py``).
+* ``Int8Weight``: opt-in weight-only int8, lossy (``quant.py``);
+* ``OneDnnWeight``: any bf16 weight above plus oneDNN's reordered copy for AMX (``onednn_linear.py``; batches of
+  ``MIN_ROWS..MAX_ROWS`` rows on a CPU with AMX; other batches take the weight it wraps).
 """
 
 from __future__ import annotations
@@ -14,15 +16,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.model import bf16_linear, packed, panel_linear, quant
+from engine.model import bf16_linear, onednn_linear, packed, panel_linear, quant
+from engine.model.onednn_linear import OneDnnWeight
 from engine.model.packed import PackedWeight
 from engine.model.panel_linear import PanelWeight
 from engine.model.quant import Int8Weight
 
-Weight = torch.Tensor | PackedWeight | PanelWeight | Int8Weight
+Weight = torch.Tensor | PackedWeight | PanelWeight | Int8Weight | OneDnnWeight
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, OneDnnWeight):
+        if onednn_linear.takes(x, bias):
+            return onednn_linear.linear(x, weight, bias)
+        return linear(x, weight.base, bias)
     if isinstance(weight, PanelWeight):
         if weight.blocks is not None and weight.fmt is not None and 0 < x.shape[0] <= panel_linear.BLOCKS_MAX_ROWS:
             blocks_lib = packed.load()

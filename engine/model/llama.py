@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
-from engine.model import bf16_linear, cpu_kernels, panel_linear, prefill_attention
+from engine.model import bf16_linear, cpu_kernels, onednn_linear, panel_linear, prefill_attention
 from engine.model.gguf_blocks import PackedBlocks
 from engine.model.linear import Weight, dense, linear
+from engine.model.onednn_linear import OneDnnWeight
 from engine.model.packed import PackedWeight, pack
 from engine.model.paged_attention import AttentionPlan, attend, write_kv
 from engine.model.panel_linear import PanelWeight, to_panels
@@ -124,6 +125,29 @@ class ModelWeights:
         ]
         return ModelWeights(self.embed, layers, self.norm, panels(self.lm_head))
 
+    def with_onednn(self) -> ModelWeights:
+        """The same bf16 weights with every linear layer and the LM head also reordered for oneDNN
+        (``onednn_linear``: AMX); each keeps what it was (dense, or GGUF blocks + dense) for other batch sizes."""
+
+        def reordered(w: Weight) -> Weight:
+            if isinstance(w, OneDnnWeight):
+                return w
+            if not isinstance(w, torch.Tensor | PackedWeight):
+                raise ValueError(f"cannot reorder a {type(w).__name__} for oneDNN")
+            return onednn_linear.reorder(w)
+
+        layers = [
+            dataclasses.replace(
+                layer,
+                qkv=reordered(layer.qkv),
+                o=reordered(layer.o),
+                gate_up=reordered(layer.gate_up),
+                down=reordered(layer.down),
+            )
+            for layer in self.layers
+        ]
+        return ModelWeights(self.embed, layers, self.norm, reordered(self.lm_head))
+
     def _linear_weights(self) -> list[Weight]:
         return [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
@@ -138,8 +162,15 @@ class ModelWeights:
         """How many of the linear weights (4 per layer + the LM head) are held as panels."""
         return sum(isinstance(w, PanelWeight) for w in self._linear_weights())
 
+    @property
+    def num_reordered(self) -> int:
+        """How many of the linear weights (4 per layer + the LM head) also hold a oneDNN reordered copy."""
+        return sum(isinstance(w, OneDnnWeight) for w in self._linear_weights())
+
 
 def _has_blocks(w: Weight) -> bool:
+    if isinstance(w, OneDnnWeight):
+        w = w.base
     return isinstance(w, PackedWeight) or (isinstance(w, PanelWeight) and w.blocks is not None)
 
 

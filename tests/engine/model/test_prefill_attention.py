@@ -93,14 +93,14 @@ def test_attend_uses_the_kernel_for_prefill_spans_where_it_is_worthwhile(monkeyp
     q = torch.randn(12, heads, dim, generator=torch.Generator().manual_seed(6))
     items = [(28, 12, table.tolist())]
 
-    monkeypatch.setattr(prefill_attention, "worthwhile", lambda: True)
+    monkeypatch.setattr(prefill_attention, "worthwhile", lambda dtype: True)
     plan = build_plan(items, 4, torch.device("cpu"))
     assert plan.prefill_kernel is not None
     kernel_out = torch.empty_like(q)
     prefill_attention.prefill_attention(plan.prefill_kernel, q, kernel_out, 28, k, v, table, dim**-0.5)
     assert torch.equal(attend(q, k, v, plan), kernel_out)
 
-    monkeypatch.setattr(prefill_attention, "worthwhile", lambda: False)
+    monkeypatch.setattr(prefill_attention, "worthwhile", lambda dtype: False)
     plan = build_plan(items, 4, torch.device("cpu"))
     sdpa = paged_attention._attend_prefill(q, k, v, plan.prefills[0], False)
     assert torch.equal(attend(q, k, v, plan), sdpa)
@@ -108,7 +108,7 @@ def test_attend_uses_the_kernel_for_prefill_spans_where_it_is_worthwhile(monkeyp
 
 
 def test_supports_only_what_the_kernel_takes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prefill_attention, "worthwhile", lambda: True)
+    monkeypatch.setattr(prefill_attention, "worthwhile", lambda dtype: True)
     cache = torch.zeros(2, 4, 2, 64)
     q = torch.zeros(3, 4, 64)
     out = torch.empty_like(q)
@@ -125,7 +125,7 @@ def test_supports_only_what_the_kernel_takes(monkeypatch: pytest.MonkeyPatch) ->
     assert not prefill_attention.supports(wide, torch.empty_like(wide), cache, cache)  # a group of 129 heads
     uneven = torch.zeros(3, 5, 64)
     assert not prefill_attention.supports(uneven, torch.empty_like(uneven), cache, cache)  # 5 heads over 2 kv heads
-    monkeypatch.setattr(prefill_attention, "worthwhile", lambda: False)
+    monkeypatch.setattr(prefill_attention, "worthwhile", lambda dtype: False)
     assert not prefill_attention.supports(q, out, cache, cache)
 
 
