@@ -300,8 +300,13 @@ class LlamaModel:
             q = self._rope_and_store(qkv, w, rope, plan, kv)
         attn = attend(q, kv[0], kv[1], plan).reshape(n, heads * d)
         x, h = self._add_norm(x, linear(attn, w.o, w.o_bias), w.post_norm)
-        gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, w.down)
+        gate_up = linear(h, w.gate_up)
+        if self.kernels is not None and cpu_kernels.silu_mul_supported(gate_up):
+            act = cpu_kernels.silu_mul(self.kernels, gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return x + linear(act, w.down)
 
     def _rope_and_store(
         self, qkv: torch.Tensor, w: LayerWeights, rope: _Rope, plan: AttentionPlan, kv: torch.Tensor

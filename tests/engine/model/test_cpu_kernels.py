@@ -98,12 +98,13 @@ def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 40])
-def test_rms_norm_matches_transformers_rounding(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("hidden", [96, 100])  # 100: a tail past the last 16-lane vector
+def test_rms_norm_matches_transformers_rounding(dtype: torch.dtype, rows: int, hidden: int) -> None:
     lib = cpu_kernels.load()
     assert lib is not None
     gen = torch.Generator().manual_seed(rows)
-    x, delta = (torch.randn(rows, 96, generator=gen).to(dtype) for _ in range(2))
-    weight = torch.randn(96, generator=gen).to(dtype)
+    x, delta = (torch.randn(rows, hidden, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.randn(hidden, generator=gen).to(dtype)
     summed = x + delta
     normed = summed.float() * torch.rsqrt(summed.float().pow(2).mean(-1, keepdim=True) + 1e-5)
     ref = weight * normed.to(dtype)  # LlamaRMSNorm
@@ -111,6 +112,43 @@ def test_rms_norm_matches_transformers_rounding(dtype: torch.dtype, rows: int) -
     assert torch.equal(x, summed)  # the residual was added in place
     ulp = 1e-6 if dtype == torch.float32 else 1e-2
     assert (out.float() - ref.float()).abs().max().item() <= ulp * ref.float().abs().max().item()
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 37), (40, 16)])  # 37: a tail past the last vector
+def test_silu_mul_matches_torch(dtype: torch.dtype, rows: int, inter: int) -> None:
+    lib = cpu_kernels.load()
+    assert lib is not None
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = (4 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype)
+    gate_up[0, :4] = torch.tensor([-200.0, 100.0, 0.0, -0.0])
+    assert cpu_kernels.silu_mul_supported(gate_up)
+    out = cpu_kernels.silu_mul(lib, gate_up)
+    gate, up = gate_up[:, :inter].double(), gate_up[:, inter:].double()
+    exact = gate * torch.sigmoid(gate)
+    if dtype == torch.bfloat16:  # torch's F.silu(gate) * up rounds the silu to bf16 before the multiply
+        exact = exact.to(dtype).double()
+        allowed = 2.0 ** (torch.floor(torch.log2((exact * up).abs().clamp_min(1e-30))) - 7)  # one bf16 ulp
+    else:
+        allowed = 4e-7 * (exact * up).abs() + 1e-30
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    assert bool(((out.double() - exact * up).abs() <= allowed).all())
+    assert abs(out[0, 0].item()) <= 1e-30 and torch.equal(out[0, 1], gate_up[0, inter + 1] * 100)  # silu(100) = 100
+
+
+@needs_compiler
+def test_silu_mul_keeps_non_finite_values_and_refuses_strided_input() -> None:
+    lib = cpu_kernels.load()
+    assert lib is not None
+    gate_up = torch.ones(2, 64)
+    gate_up[0, 5] = float("nan")
+    gate_up[1, 32 + 7] = float("inf")
+    out = cpu_kernels.silu_mul(lib, gate_up)
+    assert out[0, 5].isnan() and out[1, 7].isinf() and out[1, 7] > 0
+    assert not cpu_kernels.silu_mul_supported(torch.ones(4, 64)[:, :32])  # not contiguous
+    assert not cpu_kernels.silu_mul_supported(torch.ones(4, 63))  # no even split
+    assert not cpu_kernels.silu_mul_supported(torch.ones(4, 64, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
