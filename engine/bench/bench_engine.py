@@ -76,7 +76,7 @@ class Workload:
     followup_tokens: int = 30
     followup_repeats: int = 10
     prefill_tokens: int = 2000
-    prefill_repeats: int = 3
+    prefill_repeats: int = 5
     decode_prompt_tokens: int = 64
     decode_tokens: int = 128
     decode_repeats: int = 3
@@ -84,7 +84,7 @@ class Workload:
     short_prompt_tokens: int = 32
     long_prompt_tokens: int = 1000
     stream_decode_tokens: int = 64
-    concurrent_repeats: int = 1
+    concurrent_repeats: int = 3
     shared_prefix_tokens: int = 1000
     shared_suffix_tokens: int = 24
     shared_requests: int = 16

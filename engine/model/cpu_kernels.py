@@ -596,7 +596,7 @@ void kvchat_rope_store(void *qkv, int64_t stride, int64_t n, int64_t heads, int6
 void kvchat_rms_norm(void *x, const void *residual, const void *weight, void *out, int64_t rows, int64_t hidden,
                      float eps, int bf16, int nthreads)
 {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= 32)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows >= 8)
     for (int64_t r = 0; r < rows; r++) {
         float sumsq = 0.0f;
         if (bf16) {
@@ -668,7 +668,7 @@ static inline v16f silu16(v16f g) {
    bf16 or fp32. In bf16 the silu is rounded to bf16 before the multiply, as torch's F.silu(gate) * up rounds. */
 void kvchat_silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf16, int nthreads)
 {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * inter >= 32768)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * inter >= 8192)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t full = inter - inter % 16;
         if (bf16) {
