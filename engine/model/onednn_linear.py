@@ -17,8 +17,8 @@ so batches of ``MIN_ROWS`` to ``MAX_ROWS`` rows take the reordered weights, fewe
 or two decode streams read 2 bytes a weight at the memory's rate), more keep ``F.linear`` (even at 2000 rows).
 
 Cost: the reordered copy is a second copy of the linear weights and the LM head (the dense one stays for the other
-row counts and as the tied embedding table); for SmolLM2 in bf16, +257 MiB. Only used where the CPU has AMX-BF16 (elsewhere oneDNN has
-no tile unit to feed, and the reorder does not pay) and PyTorch was built with oneDNN.
+row counts and as the tied embedding table); for SmolLM2 in bf16, +257 MiB. Only used where the CPU has AMX-BF16
+(elsewhere oneDNN has no tile unit to feed, and the reorder does not pay) and PyTorch was built with oneDNN.
 
 Exactness: oneDNN sums in its own blocked order, which can differ with the number of rows, so a bf16 row may not
 give the same bits alone and in a batch. fp32 (where the engine guarantees batch invariance) never takes this path.
