@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine.errors import ModelLoadError
-from engine.model import gguf_blocks, packed, panel_linear
+from engine.model import bf16_linear, gguf_blocks, onednn_linear, packed, panel_linear
 from engine.model.loader import DEFAULT_MODEL, fingerprint, resolve_model
 from engine.model.spec import ModelSpec
 from engine.model_runner import BatchItem, ModelRunner
@@ -148,6 +148,12 @@ def test_smollm2_converts_once_and_matches_hf(smollm2_cache: str) -> None:
         assert runner.model.weights.num_packed == 4 * 30 + 1
     # in fp32 on an AVX2-only CPU every linear weight is held as panels (and keeps its blocks for few rows)
     assert runner.model.weights.num_panels == (4 * 30 + 1 if panel_linear.load() is not None else 0)
+    # in bf16 the GGUF blocks are dropped where the few-row bf16 kernel serves every batch they could; on AMX every
+    # linear weight also gets oneDNN's reordered copy
+    bf16 = ModelRunner(first, num_blocks=16, block_size=16, device="cpu", dtype="bfloat16").model.weights
+    few_row_kernel = bf16_linear.load() is not None
+    assert bf16.num_packed == (0 if few_row_kernel or packed.load() is None else 4 * 30 + 1)
+    assert bf16.num_reordered == (4 * 30 + 1 if onednn_linear.available() else 0)
     assert runner.vocab_size == 49152
     assert runner.eos_token_ids == (2,)
     ids = [1, 31530, 28, 957, 1462, 314, 216, 34, 2]  # any short prompt
