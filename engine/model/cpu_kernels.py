@@ -109,7 +109,6 @@ static inline void bf16_store16(uint16_t *p, v16f f) { /* bf16_store on 16 lanes
     memcpy(p, &h, 32);
 }
 
-
 /* exp(x) for x <= 0, 16 lanes (Cephes expf polynomial, ~1 ulp). */
 static inline v16f exp_neg16(v16f x) {
     const v16f lo = x - x - 87.0f;
