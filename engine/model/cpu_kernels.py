@@ -133,8 +133,29 @@ static inline float exp_neg(float x) {
     return exp_neg16(v)[0];
 }
 
-/* Sums of 16 vectors: out[j] = sum of a[j]'s lanes, by a transpose-reduce tree (15 two-source shuffle pairs). */
-static inline __attribute__((always_inline)) v16f sum16(const float *a) {
+/* Sums of 16 vectors: out[j] = sum of a[j]'s lanes, by a transpose-reduce tree (15 pairs of two-source shuffles,
+   each pair's halves added). With AVX-512 the shuffles are 128-bit-lane selects (vshuff32x4) and in-lane selects
+   (vshufps), cheaper than the index permutes (vpermt2ps, which also overwrites a source) the generic form compiles
+   to; that tree leaves the sum of its k-th input in lane 4 * (k % 4) + k / 4, so it takes its inputs in that order. */
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline __attribute__((always_inline)) v16f sum16v(const v16f *a) {
+    static const int order[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+    __m512 l1[8], l2[4], l3[2];
+    for (int i = 0; i < 8; i++) { /* 256-bit halves: [x0 + x2, x1 + x3, y0 + y2, y1 + y3] in 128-bit lanes */
+        const __m512 x = (__m512)a[order[2 * i]], y = (__m512)a[order[2 * i + 1]];
+        l1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+    }
+    for (int i = 0; i < 4; i++) /* 128-bit lanes: lane L of l2[i] holds 4 partial sums of input 4i + L */
+        l2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(l1[2 * i], l1[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* within lanes: pairs */
+        l3[i] = _mm512_add_ps(_mm512_shuffle_ps(l2[2 * i], l2[2 * i + 1], 0x44),
+                              _mm512_shuffle_ps(l2[2 * i], l2[2 * i + 1], 0xEE));
+    return (v16f)_mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], 0x88), _mm512_shuffle_ps(l3[0], l3[1], 0xDD));
+}
+#else
+static inline __attribute__((always_inline)) v16f sum16v(const v16f *a) {
     const v16i lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
     const v16i hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
     const v16i lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -144,37 +165,15 @@ static inline __attribute__((always_inline)) v16f sum16(const float *a) {
     const v16i lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
     const v16i hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
     v16f l1[8], l2[4], l3[2];
-    for (int i = 0; i < 8; i++) {
-        const v16f x = load16(a + 32 * i), y = load16(a + 32 * i + 16);
-        l1[i] = __builtin_shuffle(x, y, lo1) + __builtin_shuffle(x, y, hi1);
-    }
+    for (int i = 0; i < 8; i++)
+        l1[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo1) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi1);
     for (int i = 0; i < 4; i++)
         l2[i] = __builtin_shuffle(l1[2 * i], l1[2 * i + 1], lo2) + __builtin_shuffle(l1[2 * i], l1[2 * i + 1], hi2);
     for (int i = 0; i < 2; i++)
         l3[i] = __builtin_shuffle(l2[2 * i], l2[2 * i + 1], lo3) + __builtin_shuffle(l2[2 * i], l2[2 * i + 1], hi3);
     return __builtin_shuffle(l3[0], l3[1], lo4) + __builtin_shuffle(l3[0], l3[1], hi4);
 }
-
-static inline __attribute__((always_inline)) v16f sum16v(const v16f *a) { /* sum16 on vectors (in registers) */
-    const v16i lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const v16i hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const v16i lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const v16i hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const v16i lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const v16i hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const v16i lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const v16i hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    v16f l1[8], l2[4], l3[2];
-    for (int i = 0; i < 8; i++) {
-        const v16f x = a[2 * i], y = a[2 * i + 1];
-        l1[i] = __builtin_shuffle(x, y, lo1) + __builtin_shuffle(x, y, hi1);
-    }
-    for (int i = 0; i < 4; i++)
-        l2[i] = __builtin_shuffle(l1[2 * i], l1[2 * i + 1], lo2) + __builtin_shuffle(l1[2 * i], l1[2 * i + 1], hi2);
-    for (int i = 0; i < 2; i++)
-        l3[i] = __builtin_shuffle(l2[2 * i], l2[2 * i + 1], lo3) + __builtin_shuffle(l2[2 * i], l2[2 * i + 1], hi3);
-    return __builtin_shuffle(l3[0], l3[1], lo4) + __builtin_shuffle(l3[0], l3[1], hi4);
-}
+#endif
 """
 
 _SOURCE = (
@@ -268,11 +267,7 @@ static inline __attribute__((always_inline)) void scores_pairs(
             top[g] = (v16f)_mm512_max_ps((__m512)total, (__m512)top[g]);
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float m = top[g][0];
-        for (int l = 1; l < 16; l++) m = top[g][l] > m ? top[g][l] : m;
-        mx[g] = m;
-    }
+    for (int64_t g = 0; g < group; g++) mx[g] = _mm512_reduce_max_ps((__m512)top[g]);
 }
 
 /* acc[g][:] = sum_i p[g][i] v_i for a bf16 pool with dim % 64 == 0, as bf16 pair products: two tokens' V rows
@@ -326,16 +321,13 @@ static inline __attribute__((always_inline)) void values_pairs(
                     hi[g][1] = _mm512_dpbf16_ps(hi[g][1], p1h, w);
                 }
             }
-            for (int g = 0; g < ng; g++) {
-                float l[16], h[16], *out = acc + (g0 + g) * dim + d0;
+            const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+            const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+            for (int g = 0; g < ng; g++) { /* dims in order: lo lane 0, hi lane 0, lo lane 1, hi lane 1, ... */
+                float *out = acc + (g0 + g) * dim + d0;
                 for (int c = 0; c < 2; c++) {
-                    _mm512_storeu_ps(l, lo[g][c]);
-                    _mm512_storeu_ps(h, hi[g][c]);
-                    for (int lane = 0; lane < 4; lane++)
-                        for (int j = 0; j < 4; j++) {
-                            out[32 * c + 8 * lane + j] = l[4 * lane + j];
-                            out[32 * c + 8 * lane + 4 + j] = h[4 * lane + j];
-                        }
+                    _mm512_storeu_ps(out + 32 * c, _mm512_permutex2var_ps(lo[g][c], first, hi[g][c]));
+                    _mm512_storeu_ps(out + 32 * c + 16, _mm512_permutex2var_ps(lo[g][c], second, hi[g][c]));
                 }
             }
         }
@@ -537,7 +529,8 @@ static inline __attribute__((always_inline)) void part(
         v16f sums = {};
         for (int64_t i = 0; i < n; i += 16) {
             v16f e = exp_neg16(load16(sg + i) - m);
-            for (int64_t l = n - i; l < 16; l++) e[l] = 0.0f; /* (past the end) */
+            const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+            e = (v16f)((v16i)e & (lane < (v16i){} + (int32_t)(n - i))); /* lanes past the end: 0 */
             if (pair_values) {
                 e = bf16_round16(e);
                 const v16h h = __builtin_convertvector((v16u)e >> 16, v16h);
