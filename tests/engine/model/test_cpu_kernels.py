@@ -77,6 +77,21 @@ def test_a_decode_row_gives_the_same_bits_alone_and_in_a_batch(dtype: torch.dtyp
         assert torch.equal(alone, batch[i : i + 1])
 
 
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pipelined_prefetch_leaves_the_bits_alone(dtype: torch.dtype) -> None:
+    # where two work items' K/V do not fit in L2 (here: a build told L2 is 1 KiB), every item fetches its own tokens
+    # ahead instead of a thread prefetching its next item while it computes one
+    q, k, v, items = _case(dtype, 9, 3, 64, [700, 33, 520, 300, 9, 256, 1, 640], 0, seed=5)
+    plan = build_plan(items, 4, torch.device("cpu"))
+    pipelined = attend(q, k, v, plan)
+    source = "#define KVCHAT_L2_BYTES 1024\n" + cpu_kernels._SOURCE
+    small = cpu_kernels.open_library("paged_decode_small_l2", source, "nothing (the test fails)")
+    assert small is not None
+    plan.kernel = cpu_kernels.bind(small)
+    assert torch.equal(attend(q, k, v, plan), pipelined)
+
+
 def test_missing_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
     monkeypatch.setattr(cpu_kernels, "load", cpu_kernels.load.__wrapped__)
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
