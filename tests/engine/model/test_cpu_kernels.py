@@ -43,7 +43,7 @@ def _case(
     ("heads", "kv_heads", "dim", "lens", "prefill"),
     [
         (9, 3, 64, [1], 0),
-        (9, 3, 64, [300, 7, 513, 256, 257], 0),  # several 256-token parts, uneven lengths
+        (9, 3, 64, [300, 7, 513, 256, 257], 0),  # several parts (cpu_kernels.PART tokens each), uneven lengths
         (4, 4, 128, [40, 3], 5),  # no GQA, a prefill chunk between the decode rows
         (8, 1, 24, [600], 2),  # MQA, a head size that is not a multiple of 16
         (10, 2, 128, [300, 17, 520], 33),  # group 5 (register tiles of 4 + 1 rows), head dim 128
