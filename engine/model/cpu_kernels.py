@@ -230,8 +230,9 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
    each values pass its V rows), so loads overlap arithmetic all along, instead of arriving in a burst during the
    first kv head's score pass while the other passes leave memory idle. Measured on a 2-core AVX512-BF16 EPYC, 16 x
    1k context, bf16, 30 layers, K/V from memory: 21.3 -> 17.2 ms together with the bf16 value pairs and the scores
-   summed in registers (in cache: 12.3 -> 10.5). Tried: whole records (every kv head) in token order, spread over
-   the passes: 17.3 vs 16.2 ms here; prefetching into L1 (T0): twice as slow. */
+   summed in registers (in cache: 12.3 -> 10.5), 15.5-16.5 ms with 128-token items (PART). Tried: whole records
+   (every kv head) in token order, spread over the passes: 17.3 vs 16.2 ms here; prefetching into L1 (T0): twice
+   as slow. */
 typedef struct {
     const char *k, *v;   /* the next item's pools, offset to the kv head this pass fetches for */
     const int64_t *offs; /* its tokens' element offsets */
