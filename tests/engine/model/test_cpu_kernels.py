@@ -48,6 +48,7 @@ def _case(
         (8, 1, 24, [600], 2),  # MQA, a head size that is not a multiple of 16
         (10, 2, 128, [300, 17, 520], 33),  # group 5 (register tiles of 4 + 1 rows), head dim 128
         (16, 2, 64, [700, 650, 30, 512], 0),  # group 8, enough parts for one work item per (sequence, part)
+        (6, 2, 96, [200, 3, 130], 0),  # head dim 96: bf16 pair-product scores, values by the plain loop
         (9, 3, 64, [1, 700, 5, 260, 513, 2, 256, 31], 0),  # empty items between and after others (the prefetch
         # of a thread's next item), a next item longer than the current one, odd lengths (the bf16 value pairs)
     ],
