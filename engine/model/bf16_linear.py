@@ -34,8 +34,6 @@ _SOURCE = (
     + r"""
 #include <immintrin.h>
 
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-
 /* out16[i * OT + j] = x_{r0+i} . w_{o0+j} for RT rows and OT = 16 / RT outputs (clamped to the last output) */
 #define TILE(RT)                                                                                                \
     static inline __attribute__((always_inline)) void tile_##RT(const uint16_t *x, int64_t K, const uint16_t *w, \
@@ -100,12 +98,10 @@ int kvchat_bf16_linear(const uint16_t *x, int64_t R, int64_t K, const uint16_t *
                     v16f v = load16(out16);
                     if (bias)
                         for (int64_t l = 0; l < 16; l++) v[l] += bias[o0 + l % ot];
-                    const v16i u = (v16i)v; /* round to nearest even, as bf16_store (NaN stays a quiet NaN) */
-                    const v16i nan = (u & 0x7fffffff) > 0x7f800000;
-                    const v16i h = ((((u + 0x7fff + ((u >> 16) & 1)) >> 16) & ~nan) | (((u >> 16) | 0x40) & nan));
-                    const v16u16 hv = __builtin_convertvector(h, v16u16);
+                    uint16_t hv[16];
+                    bf16_store16(hv, v);
                     for (int64_t i = 0; i < rt && r0 + i < R; i++)
-                        memcpy(y + (r0 + i) * O + o0, (const uint16_t *)&hv + i * ot, sizeof(uint16_t) * (size_t)ot);
+                        memcpy(y + (r0 + i) * O + o0, hv + i * ot, sizeof(uint16_t) * (size_t)ot);
                 } else {
                     for (int64_t i = 0; i < rt && r0 + i < R; i++)
                         for (int64_t j = 0; j < ot && o0 + j < o_end; j++)

@@ -109,10 +109,12 @@ static inline v16f bf16_round16(v16f f) {
     return (v16f)((rounded & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan));
 }
 
-static inline void bf16_store16(uint16_t *p, v16f f) { /* bf16_store on 16 lanes */
-    const v16h h = __builtin_convertvector((v16u)bf16_round16(f) >> 16, v16h);
+static inline void bf16_put16(uint16_t *p, v16f rounded) { /* 16 values already rounded by bf16_round16 */
+    const v16h h = __builtin_convertvector((v16u)rounded >> 16, v16h);
     memcpy(p, &h, 32);
 }
+
+static inline void bf16_store16(uint16_t *p, v16f f) { bf16_put16(p, bf16_round16(f)); } /* bf16_store, 16 lanes */
 
 /* exp(x) for x <= 0, 16 lanes (Cephes expf polynomial, ~1 ulp). */
 static inline v16f exp_neg16(v16f x) {
@@ -456,14 +458,9 @@ static inline __attribute__((always_inline)) void values_avx2(
 #define DECODE_AVX2 0
 #endif
 
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-
 /* 16 values of a bf16 or fp32 row as fp32 */
 static inline __attribute__((always_inline)) v16f load16_any(const void *base, int64_t off, int bf16) {
-    if (!bf16) return load16((const float *)base + off);
-    v16u16 h;
-    memcpy(&h, (const uint16_t *)base + off, 32);
-    return (v16f)(__builtin_convertvector(h, v16i) << 16);
+    return bf16 ? bf16_load16((const uint16_t *)base + off) : load16((const float *)base + off);
 }
 
 /* acc[g][:] = sum_i s[g][i] v_i over the part's tokens, dim % 64 == 0: 4 query rows x 64 dims of accumulators stay
@@ -554,8 +551,7 @@ static inline __attribute__((always_inline)) void part(
             e = (v16f)((v16i)e & (lane < (v16i){} + (int32_t)(n - i))); /* lanes past the end: 0 */
             if (pair_values) {
                 e = bf16_round16(e);
-                const v16h h = __builtin_convertvector((v16u)e >> 16, v16h);
-                memcpy(ph + g * part_len + i, &h, 32);
+                bf16_put16(ph + g * part_len + i, e);
             }
             else
                 memcpy(sg + i, &e, 64);
