@@ -81,16 +81,18 @@ def test_a_decode_row_gives_the_same_bits_alone_and_in_a_batch(dtype: torch.dtyp
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_pipelined_prefetch_leaves_the_bits_alone(dtype: torch.dtype) -> None:
-    # where two work items' K/V do not fit in L2 (here: a build told L2 is 1 KiB), every item fetches its own tokens
-    # ahead instead of a thread prefetching its next item while it computes one
+    # a build told L2 is 64 MiB prefetches a thread's next work item while it computes one; a build told 1 KiB has
+    # every item fetch its own tokens ahead instead (whichever this machine's L2 would pick)
     q, k, v, items = _case(dtype, 9, 3, 64, [700, 33, 520, 300, 9, 256, 1, 640], 0, seed=5)
     plan = build_plan(items, 4, torch.device("cpu"))
-    pipelined = attend(q, k, v, plan)
-    source = "#define KVCHAT_L2_BYTES 1024\n" + cpu_kernels._SOURCE
-    small = cpu_kernels.open_library("paged_decode_small_l2", source, "nothing (the test fails)")
-    assert small is not None
-    plan.kernel = cpu_kernels.bind(small)
-    assert torch.equal(attend(q, k, v, plan), pipelined)
+    outputs = []
+    for stem, l2 in (("paged_decode_big_l2", 64 << 20), ("paged_decode_small_l2", 1024)):
+        source = f"#define KVCHAT_L2_BYTES {l2}\n" + cpu_kernels._SOURCE
+        lib = cpu_kernels.open_library(stem, source, "nothing (the test fails)")
+        assert lib is not None
+        plan.kernel = cpu_kernels.bind(lib)
+        outputs.append(attend(q, k, v, plan))
+    assert torch.equal(outputs[0], outputs[1])
 
 
 def test_missing_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
