@@ -46,19 +46,25 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <immintrin.h>
+#include <omp.h>
 
 /* c[r][j] = x_r . panel column j for MR rows: one fma chain per output over k, from zero. (Written this way,
    gcc keeps the 2 MR accumulators in registers; more general forms, [MR][NP][2] arrays or several panels, got
-   them spilled to the stack on every step.) */
+   them spilled to the stack on every step.) Meanwhile it prefetches lines [pf_lo, pf_hi) of the next panel (one
+   line is one k of a panel), spread evenly over its k. */
 #define TILE(MR)                                                                                              \
 static inline __attribute__((always_inline)) void tile_##MR(const float *x, int64_t K, const float *pan,     \
-                                                            float *c) {                                       \
+                                                            float *c, const float *pf, int64_t pf_lo,         \
+                                                            int64_t pf_hi) {                                  \
     __m256 acc[MR][2];                                                                                        \
     for (int r = 0; r < MR; r++) {                                                                            \
         acc[r][0] = _mm256_setzero_ps();                                                                      \
         acc[r][1] = _mm256_setzero_ps();                                                                      \
     }                                                                                                         \
+    int64_t due = 0; /* (pf_hi - pf_lo) / K lines per k, as a running remainder */                           \
     for (int64_t k = 0; k < K; k++) {                                                                         \
+        due += pf_hi - pf_lo;                                                                                 \
+        for (; due >= K; due -= K) __builtin_prefetch(pf + 16 * pf_lo++, 0, 2);                             \
         const __m256 b0 = _mm256_loadu_ps(pan + k * 16), b1 = _mm256_loadu_ps(pan + k * 16 + 8);              \
         for (int r = 0; r < MR; r++) {                                                                        \
             const __m256 a = _mm256_broadcast_ss(x + r * K + k);                                              \
@@ -86,20 +92,37 @@ static inline void put(const float *c, int mr, int64_t r0, int64_t p, int64_t O,
 }
 
 /* y[R][O] = x[R][K] . W^T (+ bias) with W as panels [ceil(O / 16)][K][16]; threads split the panels, and each
-   panel (read from memory once) serves every row tile from cache */
+   panel (read from memory once) serves every row tile from cache. While a thread computes one panel it prefetches
+   its next one into L2, each row tile a share of its lines in proportion to the tile's rows, so that the memory
+   reads overlap every tile's arithmetic instead of stalling the first tile (which otherwise streams its panel from
+   memory at the rate its multiply-adds would need). */
 void kvchat_panel_linear(const float *x, int64_t R, int64_t K, const float *panels, int64_t O, const float *bias,
                          float *y, int nthreads)
 {
     const int64_t npanels = (O + 15) / 16;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t p = 0; p < npanels; p++) {
-        float c[6 * 16];
-        const float *pan = panels + p * K * 16;
-        int64_t r = 0;
-        for (; r + 6 <= R; r += 6) { tile_6(x + r * K, K, pan, c); put(c, 6, r, p, O, bias, y); }
-        if (r + 4 <= R) { tile_4(x + r * K, K, pan, c); put(c, 4, r, p, O, bias, y); r += 4; }
-        if (r + 2 <= R) { tile_2(x + r * K, K, pan, c); put(c, 2, r, p, O, bias, y); r += 2; }
-        if (r < R) { tile_1(x + r * K, K, pan, c); put(c, 1, r, p, O, bias, y); }
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        const int64_t lo = npanels * tid / nth, hi = npanels * (tid + 1) / nth; /* (static split, contiguous) */
+        for (int64_t p = lo; p < hi; p++) {
+            float c[6 * 16];
+            const float *pan = panels + p * K * 16, *pf = p + 1 < hi ? pan + K * 16 : pan;
+            const int64_t lines = p + 1 < hi ? K : 0;
+            int64_t r = 0, done = 0; /* rows done; next-panel lines prefetched so far (lines * r / R) */
+#define TILE_AT(MR)                                                                                           \
+    do {                                                                                                      \
+        const int64_t from = done;                                                                            \
+        done = lines * (r + MR) / R;                                                                          \
+        tile_##MR(x + r * K, K, pan, c, pf, from, done);                                                      \
+        put(c, MR, r, p, O, bias, y);                                                                         \
+        r += MR;                                                                                              \
+    } while (0)
+            while (r + 6 <= R) TILE_AT(6);
+            if (r + 4 <= R) TILE_AT(4);
+            if (r + 2 <= R) TILE_AT(2);
+            if (r < R) TILE_AT(1);
+#undef TILE_AT
+        }
     }
 }
 """
