@@ -136,6 +136,10 @@ static inline VF NAME(VF x) {                                                   
     return p * (VF)((n + 127) << 23);                                                                                \
 }
 EXP_NEG(exp_neg16, v16f, v16i)
+/* 8 lanes: one AVX2 register (where 16-lane vectors are register pairs, and 8-lane loops measured faster) */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+EXP_NEG(exp_neg8, v8f, v8i)
 
 static inline float exp_neg(float x) {
     v16f v = {x};
@@ -365,10 +369,6 @@ static inline __attribute__((always_inline)) void values_pairs(
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
 #define DECODE_AVX2 1
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-EXP_NEG(exp_neg8, v8f, v8i) /* (16-lane vectors are register pairs here: the softmax takes 8 lanes at a time) */
 
 /* out[j] = sum of v[j]'s 8 lanes, for 8 vectors (hadd tree, one cross-lane step) */
 static inline __attribute__((always_inline)) __m256 sum8x8(const __m256 *v) {
@@ -905,6 +905,12 @@ static inline v16f silu16(v16f g) {
     const v16f num = (v16f)(((v16i)e & neg) | ((v16i)splat16(1.0f) & ~neg));
     return g * num / (1.0f + e);
 }
+static inline v8f silu8(v8f g) { /* the same on 8 lanes */
+    const v8i neg = g < 0.0f;
+    const v8f e = exp_neg8((v8f)((v8i)g | ((v8i){} + INT32_MIN))); /* -|g| */
+    const v8f num = (v8f)(((v8i)e & neg) | ((v8i)((v8f){} + 1.0f) & ~neg));
+    return g * num / (1.0f + e);
+}
 
 /* out[r, j] = silu(gu[r, j]) * gu[r, inter + j]: SwiGLU over the fused gate/up product (rows of 2 * inter values),
    bf16 or fp32. In bf16 the silu is rounded to bf16 before the multiply, as torch's F.silu(gate) * up rounds. */
@@ -926,7 +932,17 @@ void kvchat_silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int
         } else {
             const float *gate = (const float *)gu + r * 2 * inter, *up = gate + inter;
             float *o = (float *)out + r * inter;
+#ifdef __AVX512F__
             for (int64_t j = 0; j < full; j += 16) store16(o + j, silu16(load16(gate + j)) * load16(up + j));
+#else
+            for (int64_t j = 0; j < full; j += 8) {
+                v8f g, u;
+                memcpy(&g, gate + j, 32);
+                memcpy(&u, up + j, 32);
+                g = silu8(g) * u;
+                memcpy(o + j, &g, 32);
+            }
+#endif
             for (int64_t j = full; j < inter; j++) o[j] = silu16(splat16(gate[j]))[0] * up[j];
         }
     }
