@@ -549,40 +549,40 @@ static inline __attribute__((always_inline)) void part(
 #pragma omp simd reduction(max : m)
             for (int64_t i = 0; i < n; i++) m = sg[i] > m ? sg[i] : m;
         }
+        /* e = exp(s - m) over W lanes at a time (lanes past the end: 0), stored by STORE(i, e); total = their sum */
+#define SOFTMAX_ROW(W, VF, VI, EXP, STORE)                                                                    \
+    do {                                                                                                      \
+        for (int64_t i = n; i % W != 0; i++) sg[i] = m - 100.0f; /* pad the last vector */                    \
+        VI lane;                                                                                              \
+        for (int l = 0; l < W; l++) lane[l] = l;                                                              \
+        VF sums = {};                                                                                         \
+        for (int64_t i = 0; i < n; i += W) {                                                                  \
+            VF e;                                                                                             \
+            memcpy(&e, sg + i, sizeof(VF));                                                                   \
+            e = EXP(e - m);                                                                                   \
+            e = (VF)((VI)e & (lane < (VI){} + (int32_t)(n - i)));                                             \
+            STORE(i, e);                                                                                      \
+            sums += e;                                                                                        \
+        }                                                                                                     \
+        for (int l = 0; l < W; l++) total += sums[l];                                                         \
+    } while (0)
+#define STORE_FP32(i, e) memcpy(sg + (i), &(e), sizeof(e))
+#define STORE_ANY(i, e)                                                                                       \
+    do {                                                                                                      \
+        if (pair_values) {                                                                                    \
+            (e) = bf16_round16(e);                                                                            \
+            bf16_put16(ph + g * part_len + (i), (e));                                                         \
+        } else                                                                                                \
+            STORE_FP32(i, e);                                                                                 \
+    } while (0)
 #if DECODE_AVX2
-        if (!bf16) {
-            for (int64_t i = n; i % 8 != 0; i++) sg[i] = m - 100.0f; /* pad the last vector */
-            v8f sums = {};
-            for (int64_t i = 0; i < n; i += 8) {
-                v8f e;
-                memcpy(&e, sg + i, 32);
-                e = exp_neg8(e - m);
-                const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
-                e = (v8f)((v8i)e & (lane < (v8i){} + (int32_t)(n - i))); /* lanes past the end: 0 */
-                memcpy(sg + i, &e, 32);
-                sums += e;
-            }
-            for (int l = 0; l < 8; l++) total += sums[l];
-            mx[g] = m;
-            sm[g] = total;
-            continue;
-        }
+        if (!bf16) SOFTMAX_ROW(8, v8f, v8i, exp_neg8, STORE_FP32); /* (16-lane vectors are register pairs here) */
+        else
 #endif
-        for (int64_t i = n; i % 16 != 0; i++) sg[i] = m - 100.0f; /* pad the last vector */
-        v16f sums = {};
-        for (int64_t i = 0; i < n; i += 16) {
-            v16f e = exp_neg16(load16(sg + i) - m);
-            const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-            e = (v16f)((v16i)e & (lane < (v16i){} + (int32_t)(n - i))); /* lanes past the end: 0 */
-            if (pair_values) {
-                e = bf16_round16(e);
-                bf16_put16(ph + g * part_len + i, e);
-            }
-            else
-                memcpy(sg + i, &e, 64);
-            sums += e;
-        }
-        for (int l = 0; l < 16; l++) total += sums[l];
+        SOFTMAX_ROW(16, v16f, v16i, exp_neg16, STORE_ANY);
+#undef STORE_ANY
+#undef STORE_FP32
+#undef SOFTMAX_ROW
         mx[g] = m;
         sm[g] = total;
     }
