@@ -136,9 +136,15 @@ class BlockPool:
         block is preferably the one right after the previous (after ``after`` for the first, when given) when that one
         is free and holds no published prefix.
 
+        The blocks taken are handed out in ascending id order (the first one past ``after`` leading): which blocks
+        are taken is the queue's business, where each holds what is the sequence's.
+
         NOTE: a sequence whose blocks are consecutive is read as one view of the pool (no gather copy; a 2k-token
         follow-up spent ~7 ms per forward gathering K/V). Only hash-less free blocks are taken out of order, and those
-        hold nothing reusable, so no cached prefix is evicted earlier than LRU order would.
+        hold nothing reusable, so no cached prefix is evicted earlier than LRU order would. The ascending order
+        matters once blocks are recycled: a finished request frees its blocks tail first, so the queue holds them in
+        descending runs, and the decode kernel reads ascending runs of the pool faster (2-core Zen 4, 16 x 1k context,
+        bf16, 30 layers, K/V from memory: ascending 16.9 ms, descending 18.1, shuffled 23.0).
         """
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks but only {self.num_free_blocks} are free")
@@ -154,6 +160,10 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        out.sort(key=lambda b: b.block_id)
+        if after is not None:  # (rotated: the run that continues the sequence's last block comes first)
+            lead = next((i for i, b in enumerate(out) if b.block_id > after.block_id), 0)
+            out = out[lead:] + out[:lead]
         return out
 
     def _free_and_blank(self, block: KVBlock) -> bool:

@@ -94,7 +94,7 @@ def test_reuse_evicts_the_old_hash() -> None:
     pool.free_blocks([b0])
     assert pool.free_block_ids() == [1, 0]
     got = pool.get_new_blocks(2)
-    assert [b.block_id for b in got] == [1, 0]
+    assert [b.block_id for b in got] == [0, 1]  # (taken in queue order, handed out in ascending order)
     assert pool.get_cached_block(h(1)) is None
     assert b0.block_hash is None
     assert b0.token_ids is None
@@ -236,3 +236,27 @@ def test_a_block_holding_a_prefix_is_never_taken_out_of_lru_order() -> None:
     assert [b.block_id for b in taken] == [2, 3]  # not 1: it goes by the queue, then continues after 2
     assert pool.get_cached_block(h(1)) is cached
     assert pool.free_block_ids() == [4, 5, 1]
+
+
+def test_recycled_blocks_are_handed_out_ascending_but_taken_in_lru_order() -> None:
+    pool = BlockPool(6)
+    seq = pool.get_new_blocks(6)
+    for i, b in enumerate(seq):
+        pool.cache_block(b, h(i), (i,))
+    pool.free_blocks(reversed(seq))  # a finished request: tail first
+    assert pool.free_block_ids() == [5, 4, 3, 2, 1, 0]
+    taken = pool.get_new_blocks(3)
+    assert [b.block_id for b in taken] == [3, 4, 5]  # the three LRU blocks, ascending
+    assert pool.free_block_ids() == [2, 1, 0]
+    assert [pool.get_cached_block(h(i)) for i in (3, 4, 5)] == [None, None, None]
+    assert pool.get_cached_block(h(2)) is seq[2]
+
+
+def test_new_blocks_past_the_given_block_lead() -> None:
+    pool = BlockPool(8)
+    seq = pool.get_new_blocks(8)
+    for i, b in enumerate(seq):
+        pool.cache_block(b, h(i), (i,))
+    pool.free_blocks([seq[6], seq[1], seq[7], seq[0]])  # queue: 6, 1, 7, 0 (all holding prefixes)
+    taken = pool.get_new_blocks(4, after=seq[5])
+    assert [b.block_id for b in taken] == [6, 7, 0, 1]  # ascending from the first id past 5, then the rest

@@ -128,7 +128,7 @@ def test_eviction_reuses_lru_block_and_drops_its_hash() -> None:
     assert kv.pool.free_block_ids() == [2, 1, 0]
     assert kv.usage().num_cached_blocks == 2
     assert kv.allocate_slots("b", 32)
-    assert kv.block_table("b") == [2, 1]
+    assert kv.block_table("b") == [1, 2]  # the two LRU blocks (2, then 1), in ascending order
     assert kv.pool.free_block_ids() == [0]
     # Block 1 (the chain's tail) was evicted; block 0 (its head) still matches.
     assert kv.match_prefix(ROOT, toks(33)).blocks == (0,)
@@ -302,7 +302,7 @@ def test_releasing_one_session_evicts_only_its_unique_tail() -> None:
     assert kv.match_prefix(ROOT, BOB).blocks == (0, 1, 4)
     # The evicted blocks are the first to be reused; cached blocks are left alone.
     assert kv.allocate_slots("c", 32)
-    assert kv.block_table("c") == [3, 2]
+    assert kv.block_table("c") == [2, 3]
     assert kv.usage().num_cached_blocks == 3
 
 
