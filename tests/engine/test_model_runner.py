@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,14 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from engine.device import cpu_flags, resolve_dtype
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.model.spec import ModelSpec
-from engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_token, num_blocks_for_budget
+from engine.model_runner import (
+    HUGE_PAGE,
+    BatchItem,
+    ModelRunner,
+    kv_bytes_per_token,
+    num_blocks_for_budget,
+    zeroed_pool,
+)
 
 CONFIG = {
     "hidden_size": 32,
@@ -46,6 +54,21 @@ def test_sizes(runner: ModelRunner) -> None:
     assert runner.eos_token_ids == (5, 7)
     assert runner.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4  # layers * (k, v) * kv_heads * head_dim * fp32
     assert runner.kv_pool.shape == (2, 2, 8, 4, 2, 8)
+
+
+def test_zeroed_pool_is_zeros_on_huge_page_boundaries() -> None:
+    pool = zeroed_pool((3, 2, 5, 16, 2, 8), torch.bfloat16, torch.device("cpu"))
+    assert pool.shape == (3, 2, 5, 16, 2, 8) and pool.dtype == torch.bfloat16 and pool.is_contiguous()
+    assert torch.equal(pool, torch.zeros_like(pool))
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # (Linux): the mapping is advised from a 2 MiB boundary
+        assert pool.data_ptr() % HUGE_PAGE == 0
+    pool[2, 1, 4] = 1.5  # writable to its last element
+    assert pool.float().sum() == 1.5 * 16 * 2 * 8
+
+
+def test_runner_pool_is_the_huge_page_pool(runner: ModelRunner) -> None:
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert runner.kv_pool.data_ptr() % HUGE_PAGE == 0
 
 
 def test_num_blocks_for_budget() -> None:
