@@ -8,9 +8,6 @@ attend to them, because every attended position ``< start_pos + len`` was writte
 from __future__ import annotations
 
 import dataclasses
-import logging
-import math
-import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,12 +16,10 @@ import torch
 from engine.config import EngineConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.errors import InvalidRequestError
-from engine.model import LoadedModel, load_model
+from engine.model import LoadedModel, huge_pages, load_model
 from engine.model.loader import ResolvedModel, resolve_model
 from engine.model.paged_attention import build_plan
 from engine.model.spec import ModelSpec
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -37,34 +32,6 @@ class BatchItem:
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
     return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype.itemsize
-
-
-HUGE_PAGE = 2 << 20
-
-
-def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor for the KV pool. On a CPU with ``madvise`` (Linux): an anonymous mapping aligned to 2 MiB
-    and advised for transparent huge pages before anything touches it (pages are zero and mapped on first use).
-
-    NOTE: why: a long-running server's block tables are scattered over the pool, and in 4 KiB pages every block of
-    a layer (6 KiB for SmolLM2's K in bf16) takes TLB entries of its own; a 2 MiB page covers ~340 of them. 2-core
-    Zen 4, 16 x 1k context, bf16, 30 layers, K/V from memory, three interleaved runs: shuffled blocks 19.0-20.9 ->
-    18.3-18.7 ms, consecutive blocks 15.1-15.2 -> 14.5-14.6. ``torch.zeros`` gets the same lazily zeroed memory, but
-    in 4 KiB pages unless the system's THP mode is "always". Where the kernel refuses the advice, the mapping is used
-    as it is.
-    """
-    madvise = getattr(mmap.mmap, "madvise", None)
-    if device.type != "cpu" or madvise is None or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # (the tensor keeps the mapping alive; freed with it)
-    start = -raw.data_ptr() % HUGE_PAGE
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
-    except OSError:  # NOTE: e.g. a kernel built without THP; the pool still works in 4 KiB pages
-        log.debug("madvise(MADV_HUGEPAGE) refused for the KV pool", exc_info=True)
-    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 def num_blocks_for_budget(spec: ModelSpec, max_kv_memory_mb: int, block_size: int, dtype: torch.dtype) -> int:
@@ -102,9 +69,12 @@ class ModelRunner:
         self.model = self.loaded.build(self.max_model_len)
         s = self.spec
         # NOTE: zeros, not empty: padded decode attention reads (masked) slots of block 0, and 0 * NaN would leak.
-        self.kv_pool = zeroed_pool(
-            (s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim), self.dtype, self.device
-        )
+        # (on CPU in transparent huge pages: reads of scattered blocks need few TLB entries; see huge_pages.py)
+        shape = (s.num_layers, 2, num_blocks, block_size, s.num_kv_heads, s.head_dim)
+        if self.device.type == "cpu":
+            self.kv_pool = huge_pages.zeros(shape, self.dtype)
+        else:
+            self.kv_pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelRunner:

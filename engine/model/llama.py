@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
-from engine.model import bf16_linear, cpu_kernels, onednn_linear, panel_linear, prefill_attention
+from engine.model import bf16_linear, cpu_kernels, huge_pages, onednn_linear, panel_linear, prefill_attention
 from engine.model.gguf_blocks import PackedBlocks
 from engine.model.linear import Weight, dense, linear
 from engine.model.onednn_linear import OneDnnWeight
@@ -81,6 +81,21 @@ class ModelWeights:
             for layer in self.layers
         ]
         return ModelWeights(self.embed, layers, self.norm, q(self.lm_head))
+
+    def in_huge_pages(self) -> ModelWeights:
+        """The same weights with the embedding table and every dense linear weight copied into one mapping in
+        transparent huge pages (``huge_pages.py``; CPU tensors). Tied embeddings stay one tensor."""
+        tensors = [self.embed] + [w for w in self._linear_weights() if isinstance(w, torch.Tensor)]
+        moved = {id(t): c for t, c in zip(tensors, huge_pages.copies(tensors), strict=True)}
+
+        def m(w: Weight) -> Weight:
+            return moved.get(id(w), w) if isinstance(w, torch.Tensor) else w
+
+        layers = [
+            dataclasses.replace(layer, qkv=m(layer.qkv), o=m(layer.o), gate_up=m(layer.gate_up), down=m(layer.down))
+            for layer in self.layers
+        ]
+        return ModelWeights(moved[id(self.embed)], layers, self.norm, m(self.lm_head))
 
     def with_packed(self, blocks: PackedBlocks) -> ModelWeights:
         """The same weights, with each linear layer whose GGUF blocks are in ``blocks`` (and reproduce it exactly)

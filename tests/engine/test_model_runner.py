@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import mmap
 from pathlib import Path
 
 import pytest
@@ -12,15 +12,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.device import cpu_flags, resolve_dtype
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.model import huge_pages
+from engine.model.huge_pages import HUGE_PAGE
 from engine.model.spec import ModelSpec
-from engine.model_runner import (
-    HUGE_PAGE,
-    BatchItem,
-    ModelRunner,
-    kv_bytes_per_token,
-    num_blocks_for_budget,
-    zeroed_pool,
-)
+from engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_token, num_blocks_for_budget
 
 CONFIG = {
     "hidden_size": 32,
@@ -56,19 +51,21 @@ def test_sizes(runner: ModelRunner) -> None:
     assert runner.kv_pool.shape == (2, 2, 8, 4, 2, 8)
 
 
-def test_zeroed_pool_is_zeros_on_huge_page_boundaries() -> None:
-    pool = zeroed_pool((3, 2, 5, 16, 2, 8), torch.bfloat16, torch.device("cpu"))
-    assert pool.shape == (3, 2, 5, 16, 2, 8) and pool.dtype == torch.bfloat16 and pool.is_contiguous()
-    assert torch.equal(pool, torch.zeros_like(pool))
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # (Linux): the mapping is advised from a 2 MiB boundary
-        assert pool.data_ptr() % HUGE_PAGE == 0
-    pool[2, 1, 4] = 1.5  # writable to its last element
-    assert pool.float().sum() == 1.5 * 16 * 2 * 8
-
-
-def test_runner_pool_is_the_huge_page_pool(runner: ModelRunner) -> None:
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        assert runner.kv_pool.data_ptr() % HUGE_PAGE == 0
+def test_pool_and_weights_are_in_huge_pages(runner: ModelRunner) -> None:
+    if not huge_pages.available():
+        pytest.skip("no mmap.madvise(MADV_HUGEPAGE) here")
+    assert runner.kv_pool.data_ptr() % HUGE_PAGE == 0
+    weights = runner.model.weights
+    assert weights.embed.data_ptr() % HUGE_PAGE == 0  # the first copy in the weights' mapping
+    assert (weights.lm_head is weights.embed) == runner.spec.tie_word_embeddings
+    tied = dataclasses.replace(weights, lm_head=weights.embed).in_huge_pages()
+    assert tied.lm_head is tied.embed and tied.embed is not weights.embed  # (tied embeddings: still one tensor)
+    assert torch.equal(tied.embed, weights.embed)
+    layer = weights.layers[0]
+    base = weights.embed.data_ptr()
+    for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        assert isinstance(w, torch.Tensor)
+        assert base < w.data_ptr() < base + (64 << 20)  # in the same mapping
 
 
 def test_num_blocks_for_budget() -> None:
