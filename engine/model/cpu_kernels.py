@@ -244,14 +244,19 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
 typedef struct {
     const char *k, *v;   /* the next item's pools, offset to the kv head this pass fetches for */
     const int64_t *offs; /* its tokens' element offsets */
-    int64_t n, esize;    /* its tokens (0: nothing to fetch); bytes per element */
-    int64_t bytes;       /* bytes per token row (one kv head) */
+    int64_t n;           /* its tokens (0: nothing to fetch) */
 } pf_next;
 
-static inline __attribute__((always_inline)) void pf_token(const pf_next *p, const char *base, const int64_t i) {
+/* Token i's row (one kv head: dim elements of esize bytes) into L2. NOTE: dim and esize are arguments, not fields,
+   so that they are constants where the score and value passes are inlined for one (dim, dtype): the address and the
+   loop over the row's lines fold away. 16 x 1k context, bf16, 30 layers, Zen 4, two interleaved runs: K/V in cache
+   10.9-12.6 -> 9.1-10.5 ms; from memory (huge pages), consecutive blocks 15.5-16.5 -> 15.3-15.8, shuffled 20.2-22.7
+   -> 19.2-21.9; same bits. */
+static inline __attribute__((always_inline)) void pf_token(const pf_next *p, const char *base, const int64_t i,
+                                                           const int64_t dim, const int64_t esize) {
     if (i < p->n) {
-        const char *row = base + p->offs[i] * p->esize;
-        for (int64_t c = 0; c < p->bytes; c += 64) __builtin_prefetch(row + c, 0, 2); /* (into L2) */
+        const char *row = base + p->offs[i] * esize;
+        for (int64_t c = 0; c < dim * esize; c += 64) __builtin_prefetch(row + c, 0, 2); /* (into L2) */
     }
 }
 
@@ -272,7 +277,7 @@ static inline __attribute__((always_inline)) void scores_pairs(
     for (int64_t g = 0; g < group; g++) top[g] = splat16(-3.0e38f);
     for (int64_t i0 = 0; i0 < n; i0 += 16) {
         for (int64_t t = 0; t < 16; t++) {
-            pf_token(pf, pf->k, i0 + t);
+            pf_token(pf, pf->k, i0 + t, dim, 2);
             if (pf_len && i0 + t + PREFETCH < n) {
                 const char *nk = (const char *)(k_cache + offs[i0 + t + PREFETCH]);
                 const char *nv = (const char *)(v_cache + offs[i0 + t + PREFETCH]);
@@ -318,8 +323,8 @@ static inline __attribute__((always_inline)) void values_pairs(
                 for (int c = 0; c < 2; c++) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
             for (int64_t i = 0; i < n; i += 2) {
                 if (d0 == 0 && g0 == 0) {
-                    pf_token(pf, pf->v, i);
-                    pf_token(pf, pf->v, i + 1);
+                    pf_token(pf, pf->v, i, dim, 2);
+                    pf_token(pf, pf->v, i + 1, dim, 2);
                     if (pf_len && i + PREFETCH < n) {
                         for (int64_t t = i + PREFETCH; t < i + PREFETCH + 2 && t < n; t++) {
                             const char *nv = (const char *)(v_cache + offs[t]);
@@ -389,7 +394,7 @@ static inline __attribute__((always_inline)) void scores_avx2(
 {
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
         for (int64_t t = 0; t < 8; t++) {
-            pf_token(pf, pf->k, i0 + t);
+            pf_token(pf, pf->k, i0 + t, dim, 4);
             if (pf_len && i0 + t + PREFETCH < n) {
                 const char *nk = (const char *)(k_cache + offs[i0 + t + PREFETCH]);
                 const char *nv = (const char *)(v_cache + offs[i0 + t + PREFETCH]);
@@ -431,7 +436,7 @@ static inline __attribute__((always_inline)) void values_tile_##NG(             
     for (int g = 0; g < NG; g++)                                                                              \
         for (int c = 0; c < 4; c++) a[g][c] = _mm256_setzero_ps();                                            \
     for (int64_t i = 0; i < n; i++) {                                                                         \
-        if (d0 == 0 && g0 == 0) pf_token(pf, pf->v, i);                                                       \
+        if (d0 == 0 && g0 == 0) pf_token(pf, pf->v, i, dim, 4);                                               \
         if (pf_len && i + PREFETCH < n && d0 == 0 && g0 == 0) {                                               \
             const char *nv = (const char *)(v_cache + offs[i + PREFETCH]);                                    \
             for (int64_t c = 0; c < pf_len * 4; c += 64) __builtin_prefetch(nv + c);                          \
@@ -484,7 +489,7 @@ static inline __attribute__((always_inline)) void values_tiled(
             for (int g = 0; g < GT; g++)
                 for (int c = 0; c < 4; c++) a[g][c] = (v16f){};
             for (int64_t i = 0; i < n; i++) {
-                if (d0 == 0 && g0 == 0) pf_token(pf, pf->v, i);
+                if (d0 == 0 && g0 == 0) pf_token(pf, pf->v, i, dim, bf16 ? 2 : 4);
                 if (pf_len && i + PREFETCH < n && d0 == 0 && g0 == 0) {
                     const char *nv = (const char *)v_cache + offs[i + PREFETCH] * (bf16 ? 2 : 4);
                     for (int64_t c = 0; c < pf_len * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(nv + c);
@@ -529,7 +534,7 @@ static inline __attribute__((always_inline)) void part(
     else
 #endif
     for (int64_t i = 0; i < n; i++) {
-        pf_token(pf, pf->k, i);
+        pf_token(pf, pf->k, i, dim, bf16 ? 2 : 4);
         if (pf_len && i + PREFETCH < n) {
             const char *nk = (const char *)k_cache + offs[i + PREFETCH] * (bf16 ? 2 : 4);
             for (int64_t c = 0; c < pf_len * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(nk + c);
@@ -606,7 +611,7 @@ static inline __attribute__((always_inline)) void part(
 #endif
     for (int64_t x = 0; x < group * dim; x++) acc[x] = 0.0f;
     for (int64_t i = 0; i < n; i++) {
-        pf_token(pf, pf->v, i);
+        pf_token(pf, pf->v, i, dim, bf16 ? 2 : 4);
         if (pf_len && i + PREFETCH < n) {
             const char *nv = (const char *)v_cache + offs[i + PREFETCH] * (bf16 ? 2 : 4);
             for (int64_t c = 0; c < pf_len * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(nv + c);
@@ -723,8 +728,6 @@ void kvchat_paged_decode(
                                                  table, max_blocks, lens, next_offs);
                 pf.n = pipelined && n > 0 ? next_n : 0; /* (an empty item has no passes to fetch during) */
                 pf.offs = next_offs;
-                pf.esize = esize;
-                pf.bytes = dim * esize;
                 next_kv = grouped ? 0 : ((task + 1) / nparts) % kv_heads;
             }
             for (int64_t kvh = kv_lo; kvh < kv_hi; kvh++) {
@@ -744,8 +747,8 @@ void kvchat_paged_decode(
                 run_part(dim, bf16, group, kv_heads, kvh, q, q_rows[b] * q_stride, kc, vc, offs, n, part_len,
                          scale, qf, s, tmp, acc, mx, sm, red, pf_len, &pf, ph);
                 for (int64_t i = n; i < pf.n; i++) { /* a next item longer than this one: the rest at once */
-                    pf_token(&pf, pf.k, i);
-                    pf_token(&pf, pf.v, i);
+                    pf_token(&pf, pf.k, i, dim, esize);
+                    pf_token(&pf, pf.v, i, dim, esize);
                 }
             }
             fetched = pipelined && n > 0;
