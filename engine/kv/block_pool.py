@@ -136,8 +136,8 @@ class BlockPool:
         block is preferably the one right after the previous (after ``after`` for the first, when given) when that one
         is free and holds no published prefix.
 
-        The blocks taken are handed out in ascending id order (the first one past ``after`` leading): which blocks
-        are taken is the queue's business, where each holds what is the sequence's.
+        The blocks taken are handed out in ascending id order (the first one past ``after`` leading): the queue
+        decides which blocks are taken, the order only which of the sequence's positions each one holds.
 
         NOTE: a sequence whose blocks are consecutive is read as one view of the pool (no gather copy; a 2k-token
         follow-up spent ~7 ms per forward gathering K/V). Only hash-less free blocks are taken out of order, and those

@@ -83,10 +83,12 @@ class ModelWeights:
         return ModelWeights(self.embed, layers, self.norm, q(self.lm_head))
 
     def in_huge_pages(self) -> ModelWeights:
-        """The same weights with the embedding table and every dense linear weight copied into one mapping in
-        transparent huge pages (``huge_pages.py``; CPU tensors). Tied embeddings stay one tensor."""
-        tensors = [self.embed] + [w for w in self._linear_weights() if isinstance(w, torch.Tensor)]
-        moved = {id(t): c for t, c in zip(tensors, huge_pages.copies(tensors), strict=True)}
+        """The same weights with the embedding table and the dense linear weights copied into transparent huge pages
+        (``huge_pages.py``; CPU tensors): the table in a mapping of its own (a tied LM head stays that same tensor),
+        the linear weights in another, which goes when they are replaced (``quantized_int8``) and dropped."""
+        linear = [w for w in self._linear_weights() if isinstance(w, torch.Tensor) and w is not self.embed]
+        moved = {id(t): c for t, c in zip(linear, huge_pages.copies(linear), strict=True)}
+        moved[id(self.embed)] = huge_pages.copies([self.embed])[0]
 
         def m(w: Weight) -> Weight:
             return moved.get(id(w), w) if isinstance(w, torch.Tensor) else w

@@ -56,16 +56,18 @@ def test_pool_and_weights_are_in_huge_pages(runner: ModelRunner) -> None:
         pytest.skip("no mmap.madvise(MADV_HUGEPAGE) here")
     assert runner.kv_pool.data_ptr() % HUGE_PAGE == 0
     weights = runner.model.weights
-    assert weights.embed.data_ptr() % HUGE_PAGE == 0  # the first copy in the weights' mapping
+    assert weights.embed.data_ptr() % HUGE_PAGE == 0  # (a mapping of its own)
     assert (weights.lm_head is weights.embed) == runner.spec.tie_word_embeddings
     tied = dataclasses.replace(weights, lm_head=weights.embed).in_huge_pages()
     assert tied.lm_head is tied.embed and tied.embed is not weights.embed  # (tied embeddings: still one tensor)
     assert torch.equal(tied.embed, weights.embed)
     layer = weights.layers[0]
-    base = weights.embed.data_ptr()
-    for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+    first = layer.qkv if weights.lm_head is weights.embed else weights.lm_head  # (the linear weights' first copy)
+    assert isinstance(first, torch.Tensor) and first.data_ptr() % HUGE_PAGE == 0
+    base = first.data_ptr()
+    for w in (layer.qkv, layer.o, layer.gate_up, layer.down, weights.layers[-1].down):
         assert isinstance(w, torch.Tensor)
-        assert base < w.data_ptr() < base + (64 << 20)  # in the same mapping
+        assert base <= w.data_ptr() < base + (64 << 20)  # in the same mapping
 
 
 def test_num_blocks_for_budget() -> None:
