@@ -19,6 +19,19 @@ def test_zeros_is_a_writable_zero_tensor() -> None:
     assert pool.float().sum() == 1.5 * 16 * 2 * 8
 
 
+def _rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+@needs_madvise
+def test_zeros_maps_every_page_before_returning() -> None:
+    before = _rss_kib()
+    pool = huge_pages.zeros((64 << 20,), torch.uint8)  # (a lazily mapped pool would add ~nothing to RSS here)
+    assert _rss_kib() - before >= 60 << 10
+    assert int(pool[::4096].sum()) == 0
+
+
 @needs_madvise
 def test_zeros_starts_on_a_huge_page_boundary() -> None:
     assert huge_pages.zeros((1000, 3), torch.float32).data_ptr() % HUGE_PAGE == 0
