@@ -116,15 +116,25 @@ static inline void bf16_put16(uint16_t *p, v16f rounded) { /* 16 values already 
 
 static inline void bf16_store16(uint16_t *p, v16f f) { bf16_put16(p, bf16_round16(f)); } /* bf16_store, 16 lanes */
 
+/* floor(x) as integers: truncation, then negative values that it rounded up taken down */
+#define FLOOR_GENERIC(VF, VI, x) \
+    ({ VI n_ = __builtin_convertvector(x, VI); n_ + (__builtin_convertvector(n_, VF) > (x)); })
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* (one conversion rounding down: the same integers, 1 instruction instead of 4) */
+#define FLOOR16(x) ((v16i)_mm512_cvt_roundps_epi32((__m512)(x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC))
+#else
+#define FLOOR16(x) FLOOR_GENERIC(v16f, v16i, x)
+#endif
+
 /* exp(x) for x <= 0, 16 lanes (Cephes expf polynomial, ~1 ulp); EXP_NEG makes it for other vector widths. */
-#define EXP_NEG(NAME, VF, VI)                                                                               \
+#define EXP_NEG(NAME, VF, VI, FLOOR)                                                                        \
 static inline VF NAME(VF x) {                                                                                        \
     const VF lo = x - x - 87.0f;                                                                                     \
     const VI below = x < lo; /* lanes are 0 or -1 */                                                                 \
     x = (VF)(((VI)x & ~below) | ((VI)lo & below));                                                                   \
     const VF fx = x * 1.44269504088896341f + 0.5f;                                                                   \
-    VI n = __builtin_convertvector(fx, VI);                                                                          \
-    n += __builtin_convertvector(n, VF) > fx; /* floor: truncation rounded negative values up */                     \
+    const VI n = FLOOR(fx);                                                                                          \
     const VF nf = __builtin_convertvector(n, VF);                                                                    \
     const VF r = x - nf * 0.693359375f + nf * 2.12194440e-4f;                                                        \
     VF p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                                                  \
@@ -135,11 +145,12 @@ static inline VF NAME(VF x) {                                                   
     p = p * r * r + r + 1.0f;                                                                                        \
     return p * (VF)((n + 127) << 23);                                                                                \
 }
-EXP_NEG(exp_neg16, v16f, v16i)
+EXP_NEG(exp_neg16, v16f, v16i, FLOOR16)
 /* 8 lanes: one AVX2 register (where 16-lane vectors are register pairs, and 8-lane loops measured faster) */
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
-EXP_NEG(exp_neg8, v8f, v8i)
+#define FLOOR8(x) FLOOR_GENERIC(v8f, v8i, x)
+EXP_NEG(exp_neg8, v8f, v8i, FLOOR8)
 
 static inline float exp_neg(float x) {
     v16f v = {x};
@@ -367,6 +378,29 @@ static inline __attribute__((always_inline)) void values_pairs(
         }
     }
 }
+
+/* One query row's softmax weights for values_pairs: ph[i] = exp(s[i] - m) rounded to bf16 for i < n, 0 up to the
+   end of the last 16-lane vector; returns their sum (of the rounded values, lane-wise then lane by lane, as
+   SOFTMAX_ROW). vcvtneps2bf16 rounds to nearest even as bf16_round16 does for these values (normal or 0: exp_neg16
+   stops at e^-87), in one instruction instead of ~10; the mask only on the last vector. Same bits. 16 x 1k context,
+   bf16, 30 layers, Zen 4, together with FLOOR16: the softmax 1.6-1.9 -> 0.9-1.3 ms a step; the decode attention with
+   K/V in cache 8.4 -> 7.7 ms (fastest runs), from memory no change seen (15.1 vs 15.3: it waits on memory there). */
+static inline __attribute__((always_inline)) float softmax_pairs(const float *sg, const int64_t n, const float m,
+                                                                 uint16_t *restrict ph)
+{
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 keep = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(keep, (__m512)exp_neg16(load16(sg + i) - m));
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256((__m256i *)(ph + i), h);
+        sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+    const v16f lanes = (v16f)sums;
+    float total = 0.0f;
+    for (int l = 0; l < 16; l++) total += lanes[l];
+    return total;
+}
 #else
 #define DECODE_PAIRS 0
 #endif
@@ -517,7 +551,8 @@ static inline __attribute__((always_inline)) void part(
     float *restrict qf, float *restrict s, float *restrict tmp, float *restrict acc, float *mx, float *sm,
     float *restrict red, const int64_t pf_len, const pf_next *pf, uint16_t *restrict ph)
 {
-    for (int64_t g = 0; g < group; g++) {
+    const int pair_scores = DECODE_PAIRS && bf16 && dim % 32 == 0; /* (scores_pairs reads q as stored) */
+    for (int64_t g = 0; g < group && !pair_scores; g++) {
         const float *src = row_f32(q, q_off + (kvh * group + g) * dim, dim, bf16, tmp);
         for (int64_t d = 0; d < dim; d++) qf[g * dim + d] = src[d] * scale;
     }
@@ -528,7 +563,7 @@ static inline __attribute__((always_inline)) void part(
     else
 #endif
 #if DECODE_PAIRS
-    if (bf16 && dim % 32 == 0)
+    if (pair_scores)
         scores_pairs(dim, group, (const uint16_t *)q + q_off + kvh * group * dim, (const uint16_t *)k_cache,
                      (const uint16_t *)v_cache, offs, n, part_len, scale, s, pf_len, pf, mx);
     else
@@ -546,8 +581,9 @@ static inline __attribute__((always_inline)) void part(
     }
     /* scores_pairs leaves each query row's maximum score in mx (its scores past the end, where the last vector
        reads the last token again, repeat a score: they cannot raise it) */
-    const int max_done = DECODE_PAIRS && bf16 && dim % 32 == 0;
+    const int max_done = pair_scores;
     const int pair_values = DECODE_PAIRS && bf16 && dim % 64 == 0;
+    (void)pair_values; /* (read only where DECODE_PAIRS) */
     for (int64_t g = 0; g < group; g++) {
         float *sg = s + g * part_len, m = max_done ? mx[g] : -3.0e38f, total = 0.0f;
         if (!max_done) {
@@ -572,20 +608,15 @@ static inline __attribute__((always_inline)) void part(
         for (int l = 0; l < W; l++) total += sums[l];                                                         \
     } while (0)
 #define STORE_FP32(i, e) memcpy(sg + (i), &(e), sizeof(e))
-#define STORE_ANY(i, e)                                                                                       \
-    do {                                                                                                      \
-        if (pair_values) {                                                                                    \
-            (e) = bf16_round16(e);                                                                            \
-            bf16_put16(ph + g * part_len + (i), (e));                                                         \
-        } else                                                                                                \
-            STORE_FP32(i, e);                                                                                 \
-    } while (0)
+#if DECODE_PAIRS
+        if (pair_values) total = softmax_pairs(sg, n, m, ph + g * part_len);
+        else
+#endif
 #if DECODE_AVX2
         if (!bf16) SOFTMAX_ROW(8, v8f, v8i, exp_neg8, STORE_FP32); /* (16-lane vectors are register pairs here) */
         else
 #endif
-        SOFTMAX_ROW(16, v16f, v16i, exp_neg16, STORE_ANY);
-#undef STORE_ANY
+        SOFTMAX_ROW(16, v16f, v16i, exp_neg16, STORE_FP32);
 #undef STORE_FP32
 #undef SOFTMAX_ROW
         mx[g] = m;
