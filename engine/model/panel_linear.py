@@ -61,9 +61,10 @@ static inline __attribute__((always_inline)) void tile_##MR(const float *x, int6
         acc[r][0] = _mm256_setzero_ps();                                                                      \
         acc[r][1] = _mm256_setzero_ps();                                                                      \
     }                                                                                                         \
-    int64_t due = 0; /* (pf_hi - pf_lo) / K lines per k, as a running remainder */                           \
+    const int64_t count = pf_hi - pf_lo; /* (fixed: with pf_lo as it advances, 63% of them were fetched) */  \
+    int64_t due = 0; /* count / K lines per k, as a running remainder */                                     \
     for (int64_t k = 0; k < K; k++) {                                                                         \
-        due += pf_hi - pf_lo;                                                                                 \
+        due += count;                                                                                         \
         for (; due >= K; due -= K) __builtin_prefetch(pf + 16 * pf_lo++, 0, 2);                             \
         const __m256 b0 = _mm256_loadu_ps(pan + k * 16), b1 = _mm256_loadu_ps(pan + k * 16 + 8);              \
         for (int r = 0; r < MR; r++) {                                                                        \
