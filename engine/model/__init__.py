@@ -46,26 +46,30 @@ def load_model(
 ) -> LoadedModel:
     """Read config + safetensors of ``folder`` into fused weights on ``device`` in ``dtype``. On CPU, linear layers
     whose GGUF blocks were kept (``gguf_blocks``) are also packed, unless ``packed_weights`` is False or the model is
-    bf16 on a CPU where ``bf16_linear`` takes every few-row batch; in fp32 where the panel kernel runs
-    (``panel_linear``), every linear layer is then held as panels (plus its blocks); in bf16 on a CPU with AMX
-    (``onednn_linear``), every linear layer also gets oneDNN's reordered copy. On CPU the embeddings and dense linear
-    weights are held in transparent huge pages (``huge_pages``)."""
+    bf16 on a CPU where ``bf16_linear`` runs: there every linear layer is held as bf16 pair panels instead; in fp32
+    where the panel kernel runs (``panel_linear``), every linear layer is then held as panels (plus its blocks); in
+    bf16 on a CPU with AMX (``onednn_linear``), every linear layer also gets oneDNN's reordered copy. On CPU the
+    embeddings and the dense linear weights or bf16 pair panels are held in transparent huge pages (``huge_pages``)."""
     started = time.monotonic()
     spec = ModelSpec.from_hf_config(read_config(folder))
     with open_checkpoint(folder) as get:
         weights = ModelWeights.from_tensors(spec, get, dtype, device)
-    panels = device.type == "cpu" and dtype == torch.float32 and panel_linear.load() is not None
-    if device.type == "cpu" and not panels:  # (panels are new tensors: the dense copies are dropped)
+    cpu = device.type == "cpu"
+    panels = cpu and dtype == torch.float32 and panel_linear.load() is not None
+    pair_panels = cpu and dtype == torch.bfloat16 and bf16_linear.load() is not None
+    if pair_panels:
+        weights = weights.with_bf16_panels()
+    if cpu and not panels:  # (fp32 panels are made below, new tensors: the dense copies are dropped)
         weights = weights.in_huge_pages()
-    # NOTE: in bf16 where the few-row kernel loads, no batch reads the blocks (it takes 1..bf16_linear.MAX_ROWS rows;
-    # the blocks would serve only up to packed.PACKED_MAX_ROWS_BF16 = 4), so they are not kept (SmolLM2: 92 MiB).
-    if packed_weights and device.type == "cpu" and not (dtype == torch.bfloat16 and bf16_linear.load() is not None):
+    # NOTE: with bf16 pair panels no batch would read the blocks (they serve only up to packed.PACKED_MAX_ROWS_BF16 =
+    # 4 rows, and the panels are faster even for one), so they are not kept (SmolLM2: 92 MiB).
+    if packed_weights and cpu and not pair_panels:
         blocks = gguf_blocks.read(folder)
         if blocks:
             weights = weights.with_packed(blocks)
     if panels:
         weights = weights.with_panels()
-    if device.type == "cpu" and dtype == torch.bfloat16 and onednn_linear.available():
+    if cpu and dtype == torch.bfloat16 and onednn_linear.available():
         weights = weights.with_onednn()
     log.info(
         "loaded %s (%s, %s, %d packed weights, %d as panels, %d reordered for oneDNN) in %.1fs",

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
 from engine.model import bf16_linear, cpu_kernels, huge_pages, onednn_linear, panel_linear, prefill_attention
+from engine.model.bf16_linear import Bf16Panels
 from engine.model.gguf_blocks import PackedBlocks
 from engine.model.linear import Weight, dense, linear
 from engine.model.onednn_linear import OneDnnWeight
@@ -83,14 +84,19 @@ class ModelWeights:
         return ModelWeights(self.embed, layers, self.norm, q(self.lm_head))
 
     def in_huge_pages(self) -> ModelWeights:
-        """The same weights with the embedding table and the dense linear weights copied into transparent huge pages
-        (``huge_pages.py``; CPU tensors): the table in a mapping of its own (a tied LM head stays that same tensor),
-        the linear weights in another, which goes when they are replaced (``quantized_int8``) and dropped."""
-        linear = [w for w in self._linear_weights() if isinstance(w, torch.Tensor) and w is not self.embed]
+        """The same weights with the embedding table and the dense linear weights (or their bf16 pair panels) copied
+        into transparent huge pages (``huge_pages.py``; CPU tensors): the table in a mapping of its own (a tied LM head
+        stays that same tensor), the linear weights in another, which goes when they are replaced
+        (``quantized_int8``) and dropped."""
+        weights = self._linear_weights()
+        linear = [w for w in weights if isinstance(w, torch.Tensor) and w is not self.embed]
+        linear += [w.panels for w in weights if isinstance(w, Bf16Panels)]
         moved = {id(t): c for t, c in zip(linear, huge_pages.copies(linear), strict=True)}
         moved[id(self.embed)] = huge_pages.copies([self.embed])[0]
 
         def m(w: Weight) -> Weight:
+            if isinstance(w, Bf16Panels):
+                return Bf16Panels(moved[id(w.panels)], w.out_features)
             return moved.get(id(w), w) if isinstance(w, torch.Tensor) else w
 
         layers = [
@@ -142,14 +148,34 @@ class ModelWeights:
         ]
         return ModelWeights(self.embed, layers, self.norm, panels(self.lm_head))
 
+    def with_bf16_panels(self) -> ModelWeights:
+        """The same bf16 weights with every linear layer and the LM head as pair panels (``bf16_linear``), those whose
+        input width is even; the dense copies are dropped (the embedding table stays: a tied LM head becomes a panel
+        copy of it)."""
+
+        def panels(w: Weight) -> Weight:
+            if isinstance(w, Bf16Panels):
+                return w
+            d = dense(w)
+            return bf16_linear.to_panels(d) if bf16_linear.convertible(d) else w
+
+        layers = [
+            dataclasses.replace(
+                layer, qkv=panels(layer.qkv), o=panels(layer.o), gate_up=panels(layer.gate_up), down=panels(layer.down)
+            )
+            for layer in self.layers
+        ]
+        return ModelWeights(self.embed, layers, self.norm, panels(self.lm_head))
+
     def with_onednn(self) -> ModelWeights:
         """The same bf16 weights with every linear layer and the LM head also reordered for oneDNN
-        (``onednn_linear``: AMX); each keeps what it was (dense, or GGUF blocks + dense) for other batch sizes."""
+        (``onednn_linear``: AMX); each keeps what it was (dense, GGUF blocks + dense, or pair panels) for other batch
+        sizes."""
 
         def reordered(w: Weight) -> Weight:
             if isinstance(w, OneDnnWeight):
                 return w
-            if not isinstance(w, torch.Tensor | PackedWeight):
+            if not isinstance(w, torch.Tensor | PackedWeight | Bf16Panels):
                 raise ValueError(f"cannot reorder a {type(w).__name__} for oneDNN")
             return onednn_linear.reorder(w)
 
@@ -176,8 +202,11 @@ class ModelWeights:
 
     @property
     def num_panels(self) -> int:
-        """How many of the linear weights (4 per layer + the LM head) are held as panels."""
-        return sum(isinstance(w, PanelWeight) for w in self._linear_weights())
+        """How many of the linear weights (4 per layer + the LM head) are held as panels (fp32, or bf16 pairs)."""
+        return sum(
+            isinstance(w.base if isinstance(w, OneDnnWeight) else w, PanelWeight | Bf16Panels)
+            for w in self._linear_weights()
+        )
 
     @property
     def num_reordered(self) -> int:

@@ -13,11 +13,13 @@ Measured (Xeon with AMX, 2 threads, bf16, SmolLM2's 210 linear layers + LM head 
     F.linear         20.1  21.4  19.7  20.5  21.0  21.3  23.9  30.1  38.8  58.4  97.8   311 ms
     bf16_linear.py    9.2   9.7  10.9  17.9  18.0  32.7  65.0   118     -     -     -     - ms
 
-so batches of ``MIN_ROWS`` to ``MAX_ROWS`` rows take the reordered weights, fewer rows keep our few-row kernel (one
-or two decode streams read 2 bytes a weight at the memory's rate), more keep ``F.linear`` (even at 2000 rows).
+(``bf16_linear.py`` then took the row-major weights; its pair panels since are faster, but not measured on AMX.)
+So batches of ``MIN_ROWS`` to ``MAX_ROWS`` rows take the reordered weights, fewer rows keep our kernel (one or two
+decode streams read 2 bytes a weight at the memory's rate), more keep ``F.linear`` (even at 2000 rows); where the
+weight it wraps is pair panels (no dense copy to give ``F.linear``), the reordered weights take those too.
 
-Cost: the reordered copy is a second copy of the linear weights and the LM head (the dense one stays for the other
-row counts and as the tied embedding table); for SmolLM2 in bf16, +257 MiB. Only used where the CPU has AMX-BF16
+Cost: the reordered copy is a second copy of the linear weights and the LM head (the one it wraps stays for the other
+row counts); for SmolLM2 in bf16, +257 MiB. Only used where the CPU has AMX-BF16
 (elsewhere oneDNN has no tile unit to feed, and the reorder does not pay) and PyTorch was built with oneDNN.
 
 Exactness: oneDNN sums in its own blocked order, which can differ with the number of rows, so a bf16 row may not
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.device import cpu_flags
+from engine.model.bf16_linear import Bf16Panels
 
 if TYPE_CHECKING:
     from engine.model.packed import PackedWeight
@@ -46,9 +49,10 @@ _TUNED_ROWS = 16
 
 @dataclass(frozen=True, slots=True)
 class OneDnnWeight:
-    """A bf16 linear weight held as it was (``base``: dense, or GGUF blocks + dense) plus oneDNN's reordered copy."""
+    """A bf16 linear weight held as it was (``base``: dense, GGUF blocks + dense, or pair panels) plus oneDNN's
+    reordered copy."""
 
-    base: torch.Tensor | PackedWeight
+    base: torch.Tensor | PackedWeight | Bf16Panels
     reordered: torch.Tensor  # an opaque mkldnn tensor with the shape of ``dense``
 
     @property
@@ -57,7 +61,7 @@ class OneDnnWeight:
 
     @property
     def shape(self) -> torch.Size:
-        return self.dense.shape
+        return self.base.shape  # (not dense's: pair panels make a dense copy)
 
 
 @functools.cache
@@ -68,7 +72,7 @@ def available() -> bool:
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def reorder(base: torch.Tensor | PackedWeight) -> OneDnnWeight:
+def reorder(base: torch.Tensor | PackedWeight | Bf16Panels) -> OneDnnWeight:
     """``base`` plus its weights reordered for oneDNN (bf16, 2-D, on CPU)."""
     dense = base if isinstance(base, torch.Tensor) else base.dense
     if dense.dtype != torch.bfloat16 or dense.dim() != 2 or dense.device.type != "cpu":
@@ -76,12 +80,16 @@ def reorder(base: torch.Tensor | PackedWeight) -> OneDnnWeight:
     return OneDnnWeight(base, torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), _TUNED_ROWS))
 
 
-def takes(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether ``linear`` takes this input: 2-D bf16 with ``MIN_ROWS..MAX_ROWS`` rows (and a bf16 bias, if any)."""
+def takes(x: torch.Tensor, bias: torch.Tensor | None, weight: OneDnnWeight) -> bool:
+    """Whether ``linear`` takes this input: 2-D bf16 with ``MIN_ROWS..MAX_ROWS`` rows (any number from ``MIN_ROWS``
+    where the weight's base is pair panels: there is no dense copy for ``F.linear`` then; the reordered weights took
+    109 vs 98 ms at 512 rows, even at 2000), and a bf16 bias, if any."""
+    wide = isinstance(weight.base, Bf16Panels)
     return (
         x.dim() == 2
         and x.dtype == torch.bfloat16
-        and MIN_ROWS <= x.shape[0] <= MAX_ROWS
+        and x.shape[0] >= MIN_ROWS
+        and (wide or x.shape[0] <= MAX_ROWS)
         and (bias is None or bias.dtype == torch.bfloat16)
     )
 

@@ -12,7 +12,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.device import cpu_flags, resolve_dtype
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.model import huge_pages
+from engine.model import bf16_linear, huge_pages
+from engine.model.bf16_linear import Bf16Panels
 from engine.model.huge_pages import HUGE_PAGE
 from engine.model.spec import ModelSpec
 from engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_token, num_blocks_for_budget
@@ -68,6 +69,33 @@ def test_pool_and_weights_are_in_huge_pages(runner: ModelRunner) -> None:
     for w in (layer.qkv, layer.o, layer.gate_up, layer.down, weights.layers[-1].down):
         assert isinstance(w, torch.Tensor)
         assert base <= w.data_ptr() < base + (64 << 20)  # in the same mapping
+
+
+@pytest.mark.skipif(bf16_linear.load() is None, reason="no AVX512-BF16 CPU (or no C compiler)")
+def test_bf16_linear_weights_are_pair_panels_in_huge_pages(folder: Path) -> None:
+    bf16 = ModelRunner(folder, num_blocks=8, block_size=4, device="cpu", dtype="bfloat16")
+    dense = ModelRunner(folder, num_blocks=8, block_size=4, device="cpu", dtype="float32").model.weights
+    weights = bf16.model.weights
+    linear = [weights.lm_head] + [
+        w for layer in weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
+    assert all(isinstance(w, Bf16Panels) for w in linear) and weights.num_panels == len(linear)
+    assert isinstance(weights.embed, torch.Tensor)  # (the table stays dense for the lookup; a tied head: a panel copy)
+    assert isinstance(weights.lm_head, Bf16Panels)
+    assert isinstance(dense.lm_head, torch.Tensor)
+    assert torch.equal(weights.lm_head.dense, dense.lm_head.to(torch.bfloat16))
+    assert torch.equal(weights.layers[1].down.dense, dense.layers[1].down.to(torch.bfloat16))
+    if huge_pages.available():
+        first = weights.lm_head.panels
+        assert first.data_ptr() % HUGE_PAGE == 0
+        for w in linear:
+            assert first.data_ptr() <= w.panels.data_ptr() < first.data_ptr() + (64 << 20)  # in the same mapping
+    ids = [3, 9, 12, 40]
+    out = bf16.forward([BatchItem(ids, 0, [0], True)])
+    ref = ModelRunner(folder, num_blocks=8, block_size=4, device="cpu", dtype="float32").forward(
+        [BatchItem(ids, 0, [0], True)]
+    )
+    assert (out - ref).abs().max().item() < 0.1  # (bf16 against fp32)
 
 
 def test_num_blocks_for_budget() -> None:

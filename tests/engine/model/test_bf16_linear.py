@@ -1,4 +1,5 @@
-"""The few-row AVX512-BF16 matmul kernel against float64, its batch invariance, and the ``linear`` dispatch."""
+"""The AVX512-BF16 pair-panel matmul kernel against float64, its batch invariance, the panel layout, and the
+``linear`` dispatch."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import bf16_linear, linear
-from engine.model.packed import PackedWeight
+from engine.model.bf16_linear import Bf16Panels
 
 needs_kernel = pytest.mark.skipif(bf16_linear.load() is None, reason="no AVX512-BF16 CPU (or no C compiler)")
 
@@ -18,9 +19,28 @@ def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.pow(2.0, exponent - 7)
 
 
+def test_panels_hold_the_weight_sixteen_outputs_a_panel_in_input_pairs() -> None:
+    w = torch.arange(33 * 6, dtype=torch.float32).view(33, 6).to(torch.bfloat16)
+    p = bf16_linear.to_panels(w)
+    assert p.panels.shape == (3, 3, 16, 2) and p.shape == (33, 6)  # ceil(33 / 16) panels, 3 input pairs
+    assert float(p.panels[0, 1, 2, 0]) == float(w[2, 2]) and float(p.panels[0, 1, 2, 1]) == float(w[2, 3])
+    assert float(p.panels[2, 2, 0, 1]) == float(w[32, 5])
+    assert bool((p.panels[2, :, 1:] == 0).all())  # zeros past the last output
+    assert torch.equal(p.dense, w)
+
+
+def test_only_even_width_bf16_cpu_weights_become_panels() -> None:
+    assert bf16_linear.convertible(torch.zeros(8, 64, dtype=torch.bfloat16))
+    assert not bf16_linear.convertible(torch.zeros(8, 63, dtype=torch.bfloat16))
+    assert not bf16_linear.convertible(torch.zeros(8, 64))
+    assert not bf16_linear.convertible(torch.zeros(8, 4, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="even width"):
+        bf16_linear.to_panels(torch.zeros(8, 63, dtype=torch.bfloat16))
+
+
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 30, 96])
-@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (64, 7), (1536, 33)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 30, 96, 130])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (64, 7), (1536, 33), (6, 20)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_is_within_one_bf16_ulp_of_float64(
     rows: int, in_features: int, out_features: int, with_bias: bool
@@ -31,7 +51,7 @@ def test_kernel_is_within_one_bf16_ulp_of_float64(
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
     w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
-    y = bf16_linear.linear(lib, x, w, bias)
+    y = bf16_linear.linear(lib, x, bf16_linear.to_panels(w), bias)
     exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
     assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
     # one ulp of rounding, plus fp32 summation error over in_features products
@@ -44,51 +64,49 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
     lib = bf16_linear.load()
     assert lib is not None
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(30, 576, generator=gen).to(torch.bfloat16)
-    w = torch.randn(200, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(70, 576, generator=gen).to(torch.bfloat16)
+    w = bf16_linear.to_panels(torch.randn(200, 576, generator=gen).to(torch.bfloat16))
     batch = bf16_linear.linear(lib, x, w)
-    for i in (0, 3, 17, 29):
+    for i in (0, 3, 17, 29, 69):  # (in a 16-row tile of the batch, alone: a 1-row tile)
         assert torch.equal(bf16_linear.linear(lib, x[i : i + 1], w), batch[i : i + 1])
         assert torch.equal(bf16_linear.linear(lib, x[i : i + 2], w)[:1], batch[i : i + 1])
+        assert torch.equal(bf16_linear.linear(lib, x[i : i + 9], w)[:1], batch[i : i + 1])
 
 
 @needs_kernel
-def test_non_finite_inputs_stay_non_finite() -> None:
+def test_non_finite_inputs_stay_non_finite_and_no_rows_give_none() -> None:
     lib = bf16_linear.load()
     assert lib is not None
     x = torch.ones(5, 64, dtype=torch.bfloat16)
     x[1, 3] = float("nan")
     x[2, 0] = float("inf")
-    w = torch.ones(20, 64, dtype=torch.bfloat16)
+    w = bf16_linear.to_panels(torch.ones(20, 64, dtype=torch.bfloat16))
     y = bf16_linear.linear(lib, x, w)
     assert bool(y[1].isnan().all()) and bool(y[2].isinf().all())
     assert bool((y[[0, 3, 4]] == 64).all())
-
-
-def test_fits_only_what_the_kernel_takes() -> None:
-    w = torch.zeros(8, 64, dtype=torch.bfloat16)
-    x = torch.zeros(4, 64, dtype=torch.bfloat16)
-    assert bf16_linear.fits(x, w, None)
-    assert not bf16_linear.fits(x.float(), w.float(), None)
-    assert not bf16_linear.fits(
-        torch.zeros(4, 48, dtype=torch.bfloat16), torch.zeros(8, 48, dtype=torch.bfloat16), None
-    )
-    assert not bf16_linear.fits(torch.zeros(bf16_linear.MAX_ROWS + 1, 64, dtype=torch.bfloat16), w, None)
-    assert not bf16_linear.fits(torch.zeros(0, 64, dtype=torch.bfloat16), w, None)
-    assert not bf16_linear.fits(x, w.t().contiguous().t(), None)  # a transposed (non-contiguous) weight
-    assert not bf16_linear.fits(x, w, torch.zeros(7))
+    assert bf16_linear.linear(lib, x[:0], w).shape == (0, 20)
 
 
 @needs_kernel
-def test_linear_dispatches_bf16_rows_to_the_kernel_dense_and_packed() -> None:
+def test_kernel_refuses_an_input_that_does_not_fit() -> None:
+    lib = bf16_linear.load()
+    assert lib is not None
+    w = bf16_linear.to_panels(torch.ones(20, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cannot take"):
+        bf16_linear.linear(lib, torch.ones(2, 62, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="cannot take"):
+        bf16_linear.linear(lib, torch.ones(2, 64), w)
+
+
+@needs_kernel
+def test_linear_dispatches_panels_to_the_kernel_and_dense_weights_to_f_linear() -> None:
     lib = bf16_linear.load()
     assert lib is not None
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
-    for rows in (1, 16):
+    panels = bf16_linear.to_panels(w)
+    for rows in (1, 16, 300):
         x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
-        assert torch.equal(linear.linear(x, w), bf16_linear.linear(lib, x, w))
-        packed = PackedWeight(blocks=torch.zeros(40, 1, dtype=torch.uint8), fmt="q8_0", dense=w)
-        assert torch.equal(linear.linear(x, packed), bf16_linear.linear(lib, x, w))
-    big = torch.randn(bf16_linear.MAX_ROWS + 1, 64, generator=gen).to(torch.bfloat16)
-    assert torch.equal(linear.linear(big, w), F.linear(big, w))
+        assert torch.equal(linear.linear(x, panels), bf16_linear.linear(lib, x, panels))
+        assert torch.equal(linear.linear(x, w), F.linear(x, w))
+    assert isinstance(panels, Bf16Panels) and torch.equal(linear.dense(panels), w)

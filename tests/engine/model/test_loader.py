@@ -148,11 +148,12 @@ def test_smollm2_converts_once_and_matches_hf(smollm2_cache: str) -> None:
         assert runner.model.weights.num_packed == 4 * 30 + 1
     # in fp32 on an AVX2-only CPU every linear weight is held as panels (and keeps its blocks for few rows)
     assert runner.model.weights.num_panels == (4 * 30 + 1 if panel_linear.load() is not None else 0)
-    # in bf16 the GGUF blocks are dropped where the few-row bf16 kernel serves every batch they could; on AMX every
-    # linear weight also gets oneDNN's reordered copy
+    # in bf16 where the AVX512-BF16 kernel runs every linear weight is held as pair panels and the GGUF blocks are
+    # dropped; on AMX every linear weight also gets oneDNN's reordered copy
     bf16 = ModelRunner(first, num_blocks=16, block_size=16, device="cpu", dtype="bfloat16").model.weights
-    few_row_kernel = bf16_linear.load() is not None
-    assert bf16.num_packed == (0 if few_row_kernel or packed.load() is None else 4 * 30 + 1)
+    pair_panels = bf16_linear.load() is not None
+    assert bf16.num_packed == (0 if pair_panels or packed.load() is None else 4 * 30 + 1)
+    assert bf16.num_panels == (4 * 30 + 1 if pair_panels else 0)
     assert bf16.num_reordered == (4 * 30 + 1 if onednn_linear.available() else 0)
     assert runner.vocab_size == 49152
     assert runner.eos_token_ids == (2,)

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import linear, onednn_linear
+from engine.model import bf16_linear, linear, onednn_linear
+from engine.model.bf16_linear import Bf16Panels
 from engine.model.onednn_linear import OneDnnWeight
 from engine.model.packed import PackedWeight
 from engine.model_runner import BatchItem, ModelRunner
@@ -54,13 +55,18 @@ def test_linear_takes_the_reordered_copy_only_for_its_batch_sizes(monkeypatch: p
         return real(x, weight, bias)
 
     monkeypatch.setattr(onednn_linear, "linear", spy)
-    for base in (dense, blocks):
+    bases: list[torch.Tensor | PackedWeight | Bf16Panels] = [dense, blocks]
+    if bf16_linear.load() is not None:
+        bases.append(bf16_linear.to_panels(dense))
+    for base in bases:
         w = onednn_linear.reorder(base)
         assert w.base is base and torch.equal(linear.dense(w), dense) and w.shape == dense.shape
         for rows in (1, onednn_linear.MIN_ROWS - 1, onednn_linear.MIN_ROWS, 64, onednn_linear.MAX_ROWS + 1):
             x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
             y = linear.linear(x, w)
-            if onednn_linear.MIN_ROWS <= rows <= onednn_linear.MAX_ROWS:
+            # (over MAX_ROWS too where the base is pair panels: there is no dense copy for F.linear)
+            wide = isinstance(base, Bf16Panels)
+            if rows >= onednn_linear.MIN_ROWS and (wide or rows <= onednn_linear.MAX_ROWS):
                 assert calls.pop() == rows
             else:  # what the wrapped weight gives on its own
                 assert not calls
@@ -77,13 +83,20 @@ def test_reorder_refuses_weights_it_cannot_take() -> None:
 
 def test_takes_only_2d_bf16_batches_in_range() -> None:
     x = torch.zeros(16, 64, dtype=torch.bfloat16)
-    assert onednn_linear.takes(x, None)
-    assert onednn_linear.takes(x, torch.zeros(8, dtype=torch.bfloat16))
-    assert not onednn_linear.takes(x, torch.zeros(8))  # an fp32 bias
-    assert not onednn_linear.takes(x.float(), None)
-    assert not onednn_linear.takes(x.view(4, 4, 64), None)
-    assert not onednn_linear.takes(x[: onednn_linear.MIN_ROWS - 1], None)
-    assert not onednn_linear.takes(torch.zeros(onednn_linear.MAX_ROWS + 1, 64, dtype=torch.bfloat16), None)
+    dense = torch.zeros(8, 64, dtype=torch.bfloat16)
+    w = OneDnnWeight(dense, torch.empty(0))  # (the reordered copy is not read here)
+    assert onednn_linear.takes(x, None, w)
+    assert onednn_linear.takes(x, torch.zeros(8, dtype=torch.bfloat16), w)
+    assert not onednn_linear.takes(x, torch.zeros(8), w)  # an fp32 bias
+    assert not onednn_linear.takes(x.float(), None, w)
+    assert not onednn_linear.takes(x.view(4, 4, 64), None, w)
+    assert not onednn_linear.takes(x[: onednn_linear.MIN_ROWS - 1], None, w)
+    wide = torch.zeros(onednn_linear.MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+    assert not onednn_linear.takes(wide, None, w)
+    # over pair panels (no dense copy for F.linear) every batch from MIN_ROWS rows
+    panels = OneDnnWeight(bf16_linear.to_panels(dense), torch.empty(0))
+    assert onednn_linear.takes(wide, None, panels) and onednn_linear.takes(x, None, panels)
+    assert not onednn_linear.takes(x[: onednn_linear.MIN_ROWS - 1], None, panels)
 
 
 def test_available_needs_amx(monkeypatch: pytest.MonkeyPatch) -> None:
