@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model import cpu_kernels
 from engine.sampling_params import SamplingParams
 
 
@@ -63,7 +64,7 @@ class Sampler:
         _check_batch(logits, states)
         logits = logits.to(self.device)
         if all(s.params.greedy and not s.masks_stop_tokens for s in states):
-            tokens: list[int] = logits.argmax(dim=-1).tolist()  # NOTE: the fast path: one call, no copies.
+            tokens = _argmax(logits)  # NOTE: the fast path: one call, no copies.
         else:
             tokens = self._sample_mixed(_mask_stop_tokens(logits, states), states)
         for state in states:
@@ -71,12 +72,21 @@ class Sampler:
         return tokens
 
     def _sample_mixed(self, logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
-        tokens: list[int] = logits.argmax(dim=-1).tolist()
+        tokens = _argmax(logits)
         for row, state in enumerate(states):
             if not state.params.greedy:
                 generator = state.generator if state.generator is not None else self._generator
                 tokens[row] = _sample_row(logits[row], state.params, generator)
         return tokens
+
+
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of equal values), with the C kernel on CPU where it is built."""
+    lib = cpu_kernels.load() if cpu_kernels.argmax_supported(logits) else None
+    if lib is not None:
+        return cpu_kernels.argmax(lib, logits)
+    tokens: list[int] = logits.argmax(dim=-1).tolist()
+    return tokens
 
 
 def _make_generator(device: torch.device, seed: int | None) -> torch.Generator:

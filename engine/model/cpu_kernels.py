@@ -946,6 +946,35 @@ static inline v8f silu8(v8f g) { /* the same on 8 lanes */
     return g * num / (1.0f + e);
 }
 
+/* out[r] = the index of row r's largest value: the first of equal ones, or the first NaN if the row has one (as
+   torch.argmax). A max pass, then a scan for the first index that holds it, both 16 lanes at a time: 16 x 49152
+   logits, 2 threads, 0.64 ms with torch.argmax (a decode step of 16 streams spends it in the sampler). */
+void kvchat_argmax(const float *x, int64_t rows, int64_t cols, int64_t *out, int nthreads)
+{
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        float m = -__builtin_inff();
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t i = 0; i < cols; i++) {
+            const float v = row[i];
+            nan |= v != v;
+            m = v > m ? v : m;
+        }
+        int64_t i = 0;
+        for (; i + 16 <= cols; i += 16) { /* (the chunk that holds the first match) */
+            const v16f v = load16(row + i);
+            const v16i hit = nan ? v != v : v == m;
+            int any = 0;
+            for (int l = 0; l < 16; l++) any |= hit[l];
+            if (any) break;
+        }
+        while (i < cols && !(nan ? row[i] != row[i] : row[i] == m)) i++;
+        out[r] = i < cols ? i : 0;
+    }
+}
+
 /* out[r, j] = silu(gu[r, j]) * gu[r, inter + j]: SwiGLU over the fused gate/up product (rows of 2 * inter values),
    bf16 or fp32. In bf16 the silu is rounded to bf16 before the multiply, as torch's F.silu(gate) * up rounds. */
 void kvchat_silu_mul(const void *gu, void *out, int64_t rows, int64_t inter, int bf16, int nthreads)
@@ -1046,6 +1075,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     norm = lib.kvchat_rms_norm
     norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     norm.restype = None
+    argmax = lib.kvchat_argmax
+    argmax.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    argmax.restype = None
     silu_mul = lib.kvchat_silu_mul
     silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_int]
     silu_mul.restype = None
@@ -1146,6 +1178,18 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     bf16 = int(gate_up.dtype == torch.bfloat16)
     lib.kvchat_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, bf16, torch.get_num_threads())
     return out
+
+
+def argmax(lib: ctypes.CDLL, x: torch.Tensor) -> list[int]:
+    """``x.argmax(dim=-1).tolist()`` for a ``argmax_supported`` ``x`` ``[rows, cols]``."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.kvchat_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    result: list[int] = out.tolist()
+    return result
+
+
+def argmax_supported(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 and x.is_contiguous()
 
 
 def silu_mul_supported(gate_up: torch.Tensor) -> bool:

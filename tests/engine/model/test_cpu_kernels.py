@@ -202,3 +202,29 @@ def test_rope_store_is_bit_identical_to_the_torch_path(dtype: torch.dtype) -> No
     assert torch.equal(q, qk[:, :heads])
     assert torch.equal(k_out, k_ref)
     assert torch.equal(v_out, v_ref)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("rows", "cols"), [(1, 49152), (16, 49152), (3, 7), (5, 33), (2, 16), (40, 100)])
+def test_argmax_matches_torch(rows: int, cols: int) -> None:
+    lib = cpu_kernels.load()
+    assert lib is not None
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols))
+    assert cpu_kernels.argmax(lib, x) == x.argmax(dim=-1).tolist()
+
+
+@needs_compiler
+def test_argmax_takes_the_first_of_ties_and_nan_as_torch_does() -> None:
+    lib = cpu_kernels.load()
+    assert lib is not None
+    x = torch.randn(6, 100, generator=torch.Generator().manual_seed(3))
+    x[0, 10] = x[0, 90] = 1e9  # a tie: the first
+    x[1, 50] = x[1, 70] = float("nan")  # NaN wins, the first one
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3] = 0.0
+    x[3, 5] = -0.0  # -0.0 == 0.0: index 0
+    x[4, 99] = float("inf")  # the last element
+    x[5, 0] = float("nan")
+    assert cpu_kernels.argmax(lib, x) == x.argmax(dim=-1).tolist() == [10, 50, 0, 0, 99, 0]
+    assert not cpu_kernels.argmax_supported(x.t())  # (strided)
+    assert not cpu_kernels.argmax_supported(x.to(torch.bfloat16))
