@@ -194,6 +194,8 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: Bf16Panels, bias: torch.Te
         raise ValueError(
             f"pair panel weight {tuple(weight.shape)} cannot take {x.dtype} input of shape {tuple(x.shape)}"
         )
+    if bias is not None and bias.shape != (weight.out_features,):
+        raise ValueError(f"pair panel weight {tuple(weight.shape)} cannot take a bias of shape {tuple(bias.shape)}")
     y = torch.empty((rows, weight.out_features), dtype=torch.bfloat16)
     if rows == 0:
         return y

@@ -96,6 +96,8 @@ def test_kernel_refuses_an_input_that_does_not_fit() -> None:
         bf16_linear.linear(lib, torch.ones(2, 62, dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="cannot take"):
         bf16_linear.linear(lib, torch.ones(2, 64), w)
+    with pytest.raises(ValueError, match="cannot take a bias"):
+        bf16_linear.linear(lib, torch.ones(2, 64, dtype=torch.bfloat16), w, torch.zeros(16))
 
 
 @needs_kernel
