@@ -23,8 +23,10 @@ prefetch the thread's next panel into L2, a share of its lines each. No horizont
 
 Exactness: every output is one ``vdpbf16ps`` chain over the input pairs from zero, then ``+ bias`` (fp32) and one
 rounding to bf16, whatever the tile or the batch: a row gives the same bits alone and in any batch (test). Results
-differ from ``F.linear`` only by summation order. Built and used only where the CPU has AVX512-BF16; elsewhere the
-dense weights stay.
+differ from ``F.linear`` by summation order, and for subnormal values, which ``vdpbf16ps`` takes and gives as zero.
+Threads split the panels, not the rows: with many threads a layer of few panels (SmolLM2's narrowest: 36) loads them
+unevenly (not measured beyond 2 threads). Built and used only where the CPU has AVX512-BF16; elsewhere the dense
+weights stay.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: Weight  # the same tensor as ``embed`` when the embeddings are tied (unless quantized)
+    lm_head: Weight  # the same tensor as ``embed`` when the embeddings are tied (unless quantized or pair panels)
 
     @classmethod
     def from_tensors(cls, spec: ModelSpec, get: TensorGetter, dtype: torch.dtype, device: torch.device) -> ModelWeights:
