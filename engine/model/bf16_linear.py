@@ -192,7 +192,7 @@ def load() -> ctypes.CDLL | None:
 def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: Bf16Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight.dense, bias)`` for bf16 CPU ``x`` ``[rows, in]``."""
     rows, in_features = x.shape
-    if x.dtype != torch.bfloat16 or in_features != weight.shape[1]:
+    if x.dtype != torch.bfloat16 or in_features != 2 * weight.panels.shape[1]:  # (not .shape: a new Size per call)
         raise ValueError(
             f"pair panel weight {tuple(weight.shape)} cannot take {x.dtype} input of shape {tuple(x.shape)}"
         )
