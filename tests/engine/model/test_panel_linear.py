@@ -26,7 +26,7 @@ def test_panels_hold_the_weight_column_slices_and_give_it_back() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 16, 30, 100])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 16, 30, 31, 32, 33, 100, 200])
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (7, 33), (1536, 16), (64, 5)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_matches_float64(rows: int, in_features: int, out_features: int, with_bias: bool) -> None:
@@ -60,15 +60,37 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
 
 
 @needs_kernel
-def test_non_finite_inputs_stay_non_finite() -> None:
+@pytest.mark.parametrize(("in_features", "out_features", "with_bias"), [(576, 200, False), (1536, 33, True)])
+def test_the_blocked_form_gives_each_row_the_same_bits_as_the_small_batches(
+    in_features: int, out_features: int, with_bias: bool
+) -> None:
     lib = panel_linear.load()
     assert lib is not None
-    x = torch.ones(5, 64)
+    gen = torch.Generator().manual_seed(in_features)
+    rows = 192 + 59  # two row blocks (MC = 192), k in slices of KC = 256 (576 = 2 x 256 + 64; 1536 = 6 x 256)
+    x = torch.randn(rows, in_features, generator=gen)
+    pw = to_panels(torch.randn(out_features, in_features, generator=gen))
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    assert rows >= panel_linear.BLOCKED_MIN_ROWS > 7
+    batch = panel_linear.linear(lib, x, pw, bias)
+    assert batch.shape == (rows, out_features) and batch.is_contiguous()
+    for i in (0, 5, 95, 96, 191, 192, 250):
+        for n in (1, 2, 4, 6, 7, panel_linear.BLOCKED_MIN_ROWS, 40):
+            if i + n <= rows:
+                assert torch.equal(panel_linear.linear(lib, x[i : i + n], pw, bias)[0], batch[i])
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [5, 40])
+def test_non_finite_inputs_stay_non_finite(rows: int) -> None:
+    lib = panel_linear.load()
+    assert lib is not None
+    x = torch.ones(rows, 300)
     x[1, 3] = float("nan")
-    x[2, 0] = float("inf")
-    y = panel_linear.linear(lib, x, to_panels(torch.ones(20, 64)))
+    x[2, 299] = float("inf")
+    y = panel_linear.linear(lib, x, to_panels(torch.ones(20, 300)))
     assert bool(y[1].isnan().all()) and bool(y[2].isinf().all())
-    assert bool((y[[0, 3, 4]] == 64).all())
+    assert bool((y[[0, 3, 4]] == 300).all())
 
 
 @needs_kernel
