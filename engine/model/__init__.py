@@ -49,7 +49,7 @@ def load_model(
     bf16 on a CPU where ``bf16_linear`` runs: there every linear layer is held as bf16 pair panels instead; in fp32
     where the panel kernel runs (``panel_linear``), every linear layer is then held as panels (plus its blocks); in
     bf16 on a CPU with AMX (``onednn_linear``), every linear layer also gets oneDNN's reordered copy. On CPU the
-    embeddings and the dense linear weights or bf16 pair panels are held in transparent huge pages (``huge_pages``)."""
+    embeddings and the dense linear weights or their panels are held in transparent huge pages (``huge_pages``)."""
     started = time.monotonic()
     spec = ModelSpec.from_hf_config(read_config(folder))
     with open_checkpoint(folder) as get:
@@ -69,6 +69,8 @@ def load_model(
             weights = weights.with_packed(blocks)
     if panels:
         weights = weights.with_panels()
+        if cpu:
+            weights = weights.in_huge_pages()
     if cpu and dtype == torch.bfloat16 and onednn_linear.available():
         weights = weights.with_onednn()
     log.info(

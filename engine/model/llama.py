@@ -84,19 +84,21 @@ class ModelWeights:
         return ModelWeights(self.embed, layers, self.norm, q(self.lm_head))
 
     def in_huge_pages(self) -> ModelWeights:
-        """The same weights with the embedding table and the dense linear weights (or their bf16 pair panels) copied
-        into transparent huge pages (``huge_pages.py``; CPU tensors): the table in a mapping of its own (a tied LM head
-        stays that same tensor), the linear weights in another, which goes when they are replaced
-        (``quantized_int8``) and dropped."""
+        """The same weights with the embedding table and the dense linear weights (or their panels, bf16 pairs or
+        fp32) copied into transparent huge pages (``huge_pages.py``; CPU tensors): the table in a mapping of its own (a
+        tied LM head stays that same tensor), the linear weights in another, which goes when they are replaced
+        (``quantized_int8``) and dropped. GGUF blocks stay where they are."""
         weights = self._linear_weights()
         linear = [w for w in weights if isinstance(w, torch.Tensor) and w is not self.embed]
-        linear += [w.panels for w in weights if isinstance(w, Bf16Panels)]
+        linear += [w.panels for w in weights if isinstance(w, Bf16Panels | PanelWeight)]
         moved = {id(t): c for t, c in zip(linear, huge_pages.copies(linear), strict=True)}
         moved[id(self.embed)] = huge_pages.copies([self.embed])[0]
 
         def m(w: Weight) -> Weight:
             if isinstance(w, Bf16Panels):
                 return Bf16Panels(moved[id(w.panels)], w.out_features)
+            if isinstance(w, PanelWeight):
+                return dataclasses.replace(w, panels=moved[id(w.panels)])
             return moved.get(id(w), w) if isinstance(w, torch.Tensor) else w
 
         layers = [

@@ -15,6 +15,7 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.model import bf16_linear, huge_pages
 from engine.model.bf16_linear import Bf16Panels
 from engine.model.huge_pages import HUGE_PAGE
+from engine.model.panel_linear import PanelWeight
 from engine.model.spec import ModelSpec
 from engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_token, num_blocks_for_budget
 
@@ -63,12 +64,17 @@ def test_pool_and_weights_are_in_huge_pages(runner: ModelRunner) -> None:
     assert tied.lm_head is tied.embed and tied.embed is not weights.embed  # (tied embeddings: still one tensor)
     assert torch.equal(tied.embed, weights.embed)
     layer = weights.layers[0]
-    first = layer.qkv if weights.lm_head is weights.embed else weights.lm_head  # (the linear weights' first copy)
-    assert isinstance(first, torch.Tensor) and first.data_ptr() % HUGE_PAGE == 0
+
+    def tensor(w: object) -> torch.Tensor:  # dense, or fp32 panels where the panel kernel runs (AVX2 CPUs)
+        held = w.panels if isinstance(w, PanelWeight) else w
+        assert isinstance(held, torch.Tensor)
+        return held
+
+    first = tensor(layer.qkv if weights.lm_head is weights.embed else weights.lm_head)  # (the linear weights' first)
+    assert first.data_ptr() % HUGE_PAGE == 0
     base = first.data_ptr()
     for w in (layer.qkv, layer.o, layer.gate_up, layer.down, weights.layers[-1].down):
-        assert isinstance(w, torch.Tensor)
-        assert base <= w.data_ptr() < base + (64 << 20)  # in the same mapping
+        assert base <= tensor(w).data_ptr() < base + (64 << 20)  # in the same mapping
 
 
 @pytest.mark.skipif(bf16_linear.load() is None, reason="no AVX512-BF16 CPU (or no C compiler)")
