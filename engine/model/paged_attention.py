@@ -9,9 +9,10 @@ transposed view without a copy, so a heads-first layout would buy nothing.
 CPU / generic path: per step the batch is split once (``AttentionPlan``) into
 * decode rows (one new token each): batched into one SDPA call over a padded gather of their blocks. GQA is handled
   by folding the query group into the query-length axis (``[B, kv_heads, group, D]``), so K/V are never repeated;
-* prefill chunks: on a CPU with AVX-512, the C kernel of ``prefill_attention.py`` (reads the pool through the block
-  table, no mask tensor); elsewhere one SDPA call each, over the sequence's cached prefix + the chunk, with a causal
-  mask offset by ``start_pos``. A block table that is one run of consecutive blocks is read as a view (no gather copy).
+* prefill chunks: on a CPU with AVX-512 (or AVX2, in fp32), the C kernel of ``prefill_attention.py`` (reads the pool
+  through the block table, no mask tensor); elsewhere one SDPA call each, over the sequence's cached prefix + the
+  chunk, with a causal mask offset by ``start_pos``. A block table that is one run of consecutive blocks is read as a
+  view (no gather copy).
 * on CPU the decode rows go to the C kernel of ``cpu_kernels.py`` (reads K/V in place) instead of the SDPA above.
 
 CUDA: ``flash_attn_with_kvcache`` over the block table when flash-attn is installed and the block size is a multiple
