@@ -18,13 +18,13 @@ Holding the same weights as dense fp32 (no extra memory: it replaces the dense c
 dequantization and no horizontal sums.
 
 Batches of ``BLOCKED_MIN_ROWS`` rows or more (prefill chunks) take a blocked form of the same tiles, as BLIS blocks a
-GEMM: k in slices of 256 (a panel's slice stays in L1 while every row tile of a block uses it), rows in blocks of 192
-(x's slice stays in L2 while the thread's panels pass), partial sums kept in ``y``. Before, every panel streamed all
-of ``x`` from L3 or memory: at 2048 rows (a prefill chunk) it took 1.26x ``F.linear``'s time. Measured on a 2-core
-AMD EPYC (Zen 3), SmolLM2's linear layers, interleaved rounds, median of the per-round ratios: blocked / plain
-0.87-0.88 at 2048 rows, 0.84 at 1024, 0.88-0.91 at 256, ~1.0 at 32 and 64, 1.15-1.19 at 16-24 (so smaller batches
-keep the plain form); blocked / ``F.linear`` 1.03-1.09 at 2048. The engine's cold 2000-token prefill vs HF: 0.90-0.93
-before, 1.00-1.14 after.
+GEMM: k in equal slices of at most 640 (a panel's slice stays in L1/L2 while every row tile of a block uses it), rows
+in blocks of 192 (x's slice stays in L2 while the thread's panels pass), partial sums kept in ``y``. Before, every
+panel streamed all of ``x`` from L3 or memory: at 2048 rows (a prefill chunk) it took 1.26x ``F.linear``'s time.
+Measured on a 2-core AMD EPYC (Zen 3), SmolLM2's linear layers, interleaved rounds, median of the per-round ratios
+(``F.linear`` is oneDNN/MKL): blocked / ``F.linear`` 0.84-0.90 at 2048 rows, 0.74 at 256, 0.63 at 32; slices of 256
+instead of 640 took 1.15-1.17x as long at 256 and 2048 rows; blocked / plain ~1.0 at 32 and 64 rows but 1.15-1.19 at
+16-24 (so smaller batches keep the plain form).
 
 Exactness: every output is one fused multiply-add chain over ``k = 0 .. K-1`` from zero (then ``+ bias``), whatever
 the tile, the form or the batch, so a row gives the same bits alone and in any batch (test); results differ from
@@ -93,13 +93,17 @@ TILE(4)
 TILE(2)
 TILE(1)
 
-/* The blocked form for many rows (prefill chunks), as BLIS/GotoBLAS block a GEMM: k in slices of KC (a panel's
-   slice, KC x 64 bytes, stays in L1 while every row tile of a row block uses it) and rows in blocks of MC (x's
-   MC x KC slice stays in L2 while the thread's panels pass). A tile adds its slice to the partial sums it left in y
-   (stored and reloaded as fp32: exact), so every output is still the one fma chain over k = 0 .. K-1 from zero, then
-   + bias: the same bits as the tiles above. */
-#define KC 256
+/* The blocked form for many rows (prefill chunks), as BLIS/GotoBLAS block a GEMM: k in slices of up to KC (a
+   panel's slice, up to 40 KiB, stays in L1/L2 while every row tile of a row block uses it) and rows in blocks of MC
+   (x's MC x KC slice stays in L2 while the thread's panels pass). A tile adds its slice to the partial sums it left
+   in y (stored and reloaded as fp32: exact), so every output is still the one fma chain over k = 0 .. K-1 from zero,
+   then + bias: the same bits as the tiles above. */
+#ifndef KC
+#define KC 640 /* K is cut into equal slices of at most KC (576: whole, 1536: 3 x 512); 256 measured 1.17x slower */
+#endif
+#ifndef MC
 #define MC 192
+#endif
 #define BTILE(MR)                                                                                             \
 static inline __attribute__((always_inline)) void btile_##MR(const float *x, int64_t K, int64_t kc,           \
                                                              const float *pan, float *y, int64_t ldy,         \
@@ -140,8 +144,9 @@ void kvchat_panel_linear_blocked(const float *x, int64_t R, int64_t K, const flo
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         const int64_t lo = npanels * tid / nth, hi = npanels * (tid + 1) / nth;
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t kc = K - k0 < KC ? K - k0 : KC;
+        const int64_t slices = (K + KC - 1) / KC, step = (K + slices - 1) / slices;
+        for (int64_t k0 = 0; k0 < K; k0 += step) {
+            const int64_t kc = K - k0 < step ? K - k0 : step;
             const int first = k0 == 0;
             const float *bk = k0 + kc >= K ? bias : NULL;
             for (int64_t i0 = 0; i0 < R; i0 += MC) {

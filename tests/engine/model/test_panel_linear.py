@@ -60,14 +60,16 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize(("in_features", "out_features", "with_bias"), [(576, 200, False), (1536, 33, True)])
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "with_bias"), [(576, 200, False), (1536, 33, True), (1300, 40, True)]
+)
 def test_the_blocked_form_gives_each_row_the_same_bits_as_the_small_batches(
     in_features: int, out_features: int, with_bias: bool
 ) -> None:
     lib = panel_linear.load()
     assert lib is not None
     gen = torch.Generator().manual_seed(in_features)
-    rows = 192 + 59  # two row blocks (MC = 192), k in slices of KC = 256 (576 = 2 x 256 + 64; 1536 = 6 x 256)
+    rows = 192 + 59  # two row blocks (MC = 192); k whole (576) or in slices (1536 = 3 x 512, 1300 = 434 + 434 + 432)
     x = torch.randn(rows, in_features, generator=gen)
     pw = to_panels(torch.randn(out_features, in_features, generator=gen))
     bias = torch.randn(out_features, generator=gen) if with_bias else None
