@@ -47,7 +47,7 @@ def load_model(
     """Read config + safetensors of ``folder`` into fused weights on ``device`` in ``dtype``. On CPU, linear layers
     whose GGUF blocks were kept (``gguf_blocks``) are also packed, unless ``packed_weights`` is False or the model is
     bf16 on a CPU where ``bf16_linear`` runs: there every linear layer is held as bf16 pair panels instead; in fp32
-    where the panel kernel runs (``panel_linear``), every linear layer is then held as panels (plus its blocks); in
+    where the panel kernel runs (``panel_linear``), every linear layer is held as panels instead (no blocks); in
     bf16 on a CPU with AMX (``onednn_linear``), every linear layer also gets oneDNN's reordered copy. On CPU the
     embeddings and the dense linear weights or their panels are held in transparent huge pages (``huge_pages``)."""
     started = time.monotonic()
@@ -61,9 +61,10 @@ def load_model(
         weights = weights.with_bf16_panels()
     if cpu and not panels:  # (fp32 panels are made below, new tensors: the dense copies are dropped)
         weights = weights.in_huge_pages()
-    # NOTE: with bf16 pair panels no batch would read the blocks (they serve only up to packed.PACKED_MAX_ROWS_BF16 =
-    # 4 rows, and the panels are faster even for one), so they are not kept (SmolLM2: 92 MiB).
-    if packed_weights and cpu and not pair_panels:
+    # NOTE: with panels (bf16 pairs, or fp32) the GGUF blocks are not kept (SmolLM2: 92 MiB). bf16: no batch would
+    # read them (they serve only up to packed.PACKED_MAX_ROWS_BF16 = 4 rows, and the panels are faster even for one).
+    # fp32: they would give one- and two-row batches other bits than the panels (panel_linear.py).
+    if packed_weights and cpu and not pair_panels and not panels:
         blocks = gguf_blocks.read(folder)
         if blocks:
             weights = weights.with_packed(blocks)

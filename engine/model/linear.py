@@ -6,7 +6,7 @@
 * ``PackedWeight``: the GGUF's quantized blocks, lossless (``packed.py``; on by default for GGUF-converted models;
   in bf16 only where the pair panels are not used, and for up to ``PACKED_MAX_ROWS_BF16`` rows);
 * ``PanelWeight``: fp32 weights in 16-output panels for our outer-product kernel (``panel_linear.py``; on AVX2 CPUs
-  without AVX-512, in fp32, in place of both of the above);
+  without AVX-512, in fp32, in place of both of the above, for every batch size);
 * ``Int8Weight``: opt-in weight-only int8, lossy (``quant.py``);
 * ``OneDnnWeight``: any bf16 weight above plus oneDNN's reordered copy for AMX (``onednn_linear.py``; batches of
   ``MIN_ROWS..MAX_ROWS`` rows on a CPU with AMX; other batches take the weight it wraps).
@@ -33,10 +33,6 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
             return onednn_linear.linear(x, weight, bias)
         return linear(x, weight.base, bias)
     if isinstance(weight, PanelWeight):
-        if weight.blocks is not None and weight.fmt is not None and 0 < x.shape[0] <= panel_linear.BLOCKS_MAX_ROWS:
-            blocks_lib = packed.load()
-            if blocks_lib is not None:
-                return packed.blocks_linear(blocks_lib, x, weight.blocks, weight.fmt, weight.out_features, bias)
         lib = panel_linear.load()
         if lib is None:  # NOTE: not reached: weights are only made panels where the kernel loaded
             raise RuntimeError("panel weights without the panel kernel")

@@ -134,12 +134,10 @@ class ModelWeights:
         return ModelWeights(self.embed, layers, self.norm, head)
 
     def with_panels(self) -> ModelWeights:
-        """The same fp32 weights with every linear layer and the LM head as 16-output panels (``panel_linear``);
-        packed weights keep their GGUF blocks too. The dense copies are dropped (the embedding table stays)."""
+        """The same fp32 weights with every linear layer and the LM head as 16-output panels (``panel_linear``). The
+        dense copies (or GGUF blocks) are dropped (the embedding table stays)."""
 
         def panels(w: Weight) -> Weight:
-            if isinstance(w, PackedWeight):
-                return to_panels(w.dense, w.blocks, w.fmt)
             return w if isinstance(w, PanelWeight) else to_panels(dense(w))
 
         layers = [
@@ -198,8 +196,7 @@ class ModelWeights:
 
     @property
     def num_packed(self) -> int:
-        """How many of the linear weights (4 per layer + the LM head) hold their GGUF blocks (packed, or panels
-        with blocks)."""
+        """How many of the linear weights (4 per layer + the LM head) hold their GGUF blocks (packed)."""
         return sum(_has_blocks(w) for w in self._linear_weights())
 
     @property
@@ -219,7 +216,7 @@ class ModelWeights:
 def _has_blocks(w: Weight) -> bool:
     if isinstance(w, OneDnnWeight):
         w = w.base
-    return isinstance(w, PackedWeight) or (isinstance(w, PanelWeight) and w.blocks is not None)
+    return isinstance(w, PackedWeight)
 
 
 def _layer(

@@ -46,11 +46,11 @@ from engine.model.cpu_kernels import open_library
 PANEL = 16  # outputs per panel (two 8-lane vectors)
 BLOCKED_MIN_ROWS = 32  # batches of this many rows or more take the blocked form (k slices x row blocks)
 
-# NOTE: where a weight also has its GGUF blocks, batches of up to this many rows read those instead (packed.py): at
-# one or two rows a step is bound by reading weights, and the blocks are ~6x fewer bytes.
-# Measured (Zen 1, 2 threads, fp32, SmolLM2 decode step at 1k context): 40 vs 45 ms at one row, 48 vs 54 at two; about
-# even at three; the panels ahead from four (34 vs 43 ms for the linear layers alone).
-BLOCKS_MAX_ROWS = 2
+# NOTE: the panels serve every batch size, also the one or two rows where the GGUF blocks (packed.py, ~6x fewer bytes)
+# were read before: those gave such batches other bits than larger ones (fp32 sums in another order), so a request's
+# output could change with the batch it ran in, or with a prefix-cache hit (a fully cached prompt recomputes one row).
+# What that cost: SmolLM2's linear layers + head at one row, Zen 3, interleaved: 19.5 vs 16.1 ms (best), 1.09x (median
+# ratio); at two rows 1.19x (Zen 1 before: 45 vs 40 ms and 54 vs 48 ms for the whole step).
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -221,13 +221,10 @@ void kvchat_panel_linear(const float *x, int64_t R, int64_t K, const float *pane
 
 @dataclass(frozen=True, slots=True)
 class PanelWeight:
-    """A linear weight ``[out, in]`` held as fp32 panels ``[ceil(out / 16), in, 16]`` (zeros past ``out``), and
-    optionally as the GGUF blocks it was dequantized from (``packed.py``; for ``BLOCKS_MAX_ROWS`` rows or fewer)."""
+    """A linear weight ``[out, in]`` held as fp32 panels ``[ceil(out / 16), in, 16]`` (zeros past ``out``)."""
 
     panels: torch.Tensor
     out_features: int
-    blocks: torch.Tensor | None = None
-    fmt: str | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -240,14 +237,14 @@ class PanelWeight:
         return self.panels.permute(0, 2, 1).reshape(n * PANEL, k)[: self.out_features].contiguous()
 
 
-def to_panels(weight: torch.Tensor, blocks: torch.Tensor | None = None, fmt: str | None = None) -> PanelWeight:
-    """``weight`` (``[out, in]``, fp32) as panels (keeping its GGUF ``blocks`` in format ``fmt``, if given)."""
+def to_panels(weight: torch.Tensor) -> PanelWeight:
+    """``weight`` (``[out, in]``, fp32) as panels."""
     out_features, in_features = weight.shape
     n = -(-out_features // PANEL)
     padded = torch.zeros(n * PANEL, in_features, dtype=torch.float32, device=weight.device)
     padded[:out_features] = weight
     panels = padded.view(n, PANEL, in_features).transpose(1, 2).contiguous()
-    return PanelWeight(panels, out_features, blocks, fmt)
+    return PanelWeight(panels, out_features)
 
 
 @functools.cache

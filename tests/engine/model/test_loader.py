@@ -144,10 +144,11 @@ def test_smollm2_converts_once_and_matches_hf(smollm2_cache: str) -> None:
 
     runner = ModelRunner(first, num_blocks=16, block_size=16, device="cpu", dtype="float32")
     assert (first.path / gguf_blocks.BLOCKS_FILE).is_file()
+    fp32_panels = panel_linear.load() is not None
     if packed.load() is not None:  # every linear layer (4 per layer) and the tied LM head read the GGUF's blocks
-        assert runner.model.weights.num_packed == 4 * 30 + 1
-    # in fp32 on an AVX2-only CPU every linear weight is held as panels (and keeps its blocks for few rows)
-    assert runner.model.weights.num_panels == (4 * 30 + 1 if panel_linear.load() is not None else 0)
+        assert runner.model.weights.num_packed == (0 if fp32_panels else 4 * 30 + 1)
+    # in fp32 on an AVX2-only CPU every linear weight is held as panels instead (the blocks are dropped)
+    assert runner.model.weights.num_panels == (4 * 30 + 1 if fp32_panels else 0)
     # in bf16 where the AVX512-BF16 kernel runs every linear weight is held as pair panels and the GGUF blocks are
     # dropped; on AMX every linear weight also gets oneDNN's reordered copy
     bf16 = ModelRunner(first, num_blocks=16, block_size=16, device="cpu", dtype="bfloat16").model.weights
@@ -165,6 +166,23 @@ def test_smollm2_converts_once_and_matches_hf(smollm2_cache: str) -> None:
     decode = runner.forward([BatchItem(ids[-1:], len(ids) - 1, [7, 3], True)])
     assert (prefill[0] - ref[-2]).abs().max().item() <= 1e-4
     assert (decode[0] - ref[-1]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_smollm2_fp32_rows_give_the_same_logits_alone_and_in_a_batch(smollm2_cache: str) -> None:
+    # the default load (GGUF blocks kept where they are used): whichever kernels hold the weights, a decode row and a
+    # one-row recompute (a fully cached prompt) must not depend on the batch around them, or a prefix-cache hit or a
+    # busy server would change outputs
+    runner = ModelRunner(resolve_model(DEFAULT_MODEL, cache_dir=smollm2_cache), 32, 16, device="cpu", dtype="float32")
+    prompts = [[1, 31530, 28, 957, 1462, 314, 216, 34], [1, 11, 12, 13, 14, 15], [1, 99, 98, 97, 96, 95, 94]]
+    tables = [[0, 1], [2, 3], [4, 5]]
+    runner.forward([BatchItem(p, 0, t, False) for p, t in zip(prompts, tables, strict=True)])
+    steps = [BatchItem([42], len(p), t, True) for p, t in zip(prompts, tables, strict=True)]
+    together = runner.forward(steps)
+    for i, step in enumerate(steps):
+        assert torch.equal(runner.forward([step])[0], together[i])
+    pair = runner.forward(steps[:2])
+    assert torch.equal(pair, together[:2])
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import linear, packed, panel_linear
+from engine.model import linear, panel_linear
 from engine.model.panel_linear import PanelWeight, to_panels
 
 needs_kernel = pytest.mark.skipif(
@@ -22,7 +22,6 @@ def test_panels_hold_the_weight_column_slices_and_give_it_back() -> None:
     assert torch.equal(pw.panels[2, 4, :5], w[32:, 4])
     assert bool((pw.panels[2, :, 5:] == 0).all())  # padding past the last output
     assert torch.equal(pw.dense, w) and pw.dense.is_contiguous()
-    assert pw.blocks is None and pw.fmt is None
 
 
 @needs_kernel
@@ -107,27 +106,17 @@ def test_bad_inputs_are_refused_with_a_clear_error() -> None:
 
 
 @needs_kernel
-def test_linear_reads_the_blocks_for_few_rows_and_the_panels_beyond() -> None:
-    blocks_lib, lib = packed.load(), panel_linear.load()
-    assert blocks_lib is not None and lib is not None
+def test_linear_takes_the_panels_for_every_batch_size() -> None:
+    lib = panel_linear.load()
+    assert lib is not None
     gen = torch.Generator().manual_seed(3)
-    # q8_0 blocks (scale 1/64, int8 values) and the dense weights they stand for
-    q = torch.randint(-127, 128, (48, 64), generator=gen, dtype=torch.int8)
-    scale = torch.tensor([1 / 64], dtype=torch.float16).view(torch.uint8)
-    blocks = torch.cat(
-        [torch.cat([scale, q[o, b * 32 : (b + 1) * 32].view(torch.uint8)]) for o in range(48) for b in (0, 1)]
-    )
-    blocks = blocks.view(48, 2 * 34)
-    w = q.float() / 64
-    pw = to_panels(w, blocks, "q8_0")
+    w = torch.randn(48, 64, generator=gen)
+    pw = to_panels(w)
     assert isinstance(pw, PanelWeight)
-    for rows in range(1, 6):
+    for rows in (1, 2, 3, 5, panel_linear.BLOCKED_MIN_ROWS + 1):
         x = torch.randn(rows, 64, generator=gen)
         y = linear.linear(x, pw)
-        if rows <= panel_linear.BLOCKS_MAX_ROWS:
-            assert torch.equal(y, packed.blocks_linear(blocks_lib, x, blocks, "q8_0", 48, None))
-        else:
-            assert torch.equal(y, panel_linear.linear(lib, x, pw))
+        assert torch.equal(y, panel_linear.linear(lib, x, pw))
         assert torch.allclose(y, F.linear(x, w), atol=1e-5)
     assert linear.linear(torch.zeros(0, 64), pw).shape == (0, 48)
     assert torch.equal(linear.dense(pw), w)
