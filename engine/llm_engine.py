@@ -574,7 +574,16 @@ class LLMEngine:
 def _batch_items(out: SchedulerOutput) -> list[BatchItemT]:
     from engine.model_runner import BatchItem
 
-    return [BatchItem(s.token_ids, s.start_pos, s.block_table, s.need_logits) for s in out.scheduled]
+    return [
+        BatchItem(
+            s.token_ids,
+            s.start_pos,
+            s.block_table,
+            s.need_logits,
+            prompt=s.start_pos + s.num_new_tokens <= s.seq.num_prompt_tokens,
+        )
+        for s in out.scheduled
+    ]
 
 
 def _request_stats(seq: Seq, first_token_time: float | None, now: float) -> RequestStats:

@@ -28,6 +28,7 @@ class BatchItem:
     start_pos: int  # tokens of this sequence already in the KV pool (their positions are 0..start_pos-1)
     block_table: list[int]  # physical blocks covering start_pos + len(token_ids) tokens
     need_logits: bool  # False for a prefill chunk that does not end the prompt
+    prompt: bool = False  # the tokens are prompt tokens (a lone one is attended as a prefill chunk: paged_attention)
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
@@ -128,7 +129,10 @@ class ModelRunner:
             if item.need_logits:
                 logit_rows.append(len(ids) - 1)
         plan = build_plan(
-            [(it.start_pos, len(it.token_ids), it.block_table) for it in items], self.block_size, self.device
+            [(it.start_pos, len(it.token_ids), it.block_table) for it in items],
+            self.block_size,
+            self.device,
+            [it.prompt for it in items],
         )
         rows = None if len(logit_rows) == len(ids) else torch.tensor(logit_rows, device=self.device)
         if not logit_rows:

@@ -102,18 +102,26 @@ class AttentionPlan:
     prefill_kernel: ctypes.CDLL | None = None  # prefill_attention.load() on CPU; None = SDPA
 
 
-def build_plan(items: list[tuple[int, int, list[int]]], block_size: int, device: torch.device) -> AttentionPlan:
-    """``items`` = ``(start_pos, num_new_tokens, block_table)`` per sequence, in batch order."""
+def build_plan(
+    items: list[tuple[int, int, list[int]]],
+    block_size: int,
+    device: torch.device,
+    prompt: list[bool] | None = None,
+) -> AttentionPlan:
+    """``items`` = ``(start_pos, num_new_tokens, block_table)`` per sequence, in batch order. ``prompt[i]``: item i's
+    tokens are prompt tokens. A lone prompt token (the last one, recomputed after a full prefix-cache hit) is attended
+    as a one-row prefill chunk, not as a decode row: where the prefill kernel runs, a row then gets the same bits as in
+    the cold run's longer chunk (the decode kernel sums in another order: ~4e-5 apart in SmolLM2's fp32 logits)."""
     slots: list[int] = []
     prefills: list[PrefillSpan] = []
     decode_rows: list[int] = []
     decode_items: list[tuple[int, list[int]]] = []
     row = 0
-    for start_pos, n, table in items:
+    for i, (start_pos, n, table) in enumerate(items):
         slots.extend(_slots(table, start_pos, n, block_size))
         kv_len = start_pos + n
         used = table[: (kv_len + block_size - 1) // block_size]
-        if n == 1:
+        if n == 1 and not (prompt is not None and prompt[i]):
             decode_rows.append(row)
             decode_items.append((kv_len, used))
         else:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine.errors import ModelLoadError
-from engine.model import bf16_linear, gguf_blocks, onednn_linear, packed, panel_linear
+from engine.model import bf16_linear, gguf_blocks, onednn_linear, packed, panel_linear, prefill_attention
 from engine.model.loader import DEFAULT_MODEL, fingerprint, resolve_model
 from engine.model.spec import ModelSpec
 from engine.model_runner import BatchItem, ModelRunner
@@ -183,6 +183,16 @@ def test_smollm2_fp32_rows_give_the_same_logits_alone_and_in_a_batch(smollm2_cac
         assert torch.equal(runner.forward([step])[0], together[i])
     pair = runner.forward(steps[:2])
     assert torch.equal(pair, together[:2])
+    # a fully cached prompt recomputes its last token alone: where the prefill kernel runs, the same bits as cold
+    prompt, table = [(i * 7919) % 49000 + 10 for i in range(300)], list(range(6, 26))
+    cold = runner.forward([BatchItem(prompt, 0, table, True)])[0]
+    tail = runner.forward([BatchItem(prompt[-40:], 260, table, True)])[0]
+    hit = runner.forward([BatchItem(prompt[-1:], 299, table, True, prompt=True)])[0]
+    q = torch.zeros(1, runner.spec.num_heads, runner.spec.head_dim)
+    pool = runner.kv_pool[0, 0]
+    if prefill_attention.supports(q, q, pool, pool):
+        assert torch.equal(tail, cold) and torch.equal(hit, cold)
+    assert (hit - cold).abs().max().item() < 1e-3
 
 
 @pytest.mark.slow
