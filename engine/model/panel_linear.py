@@ -58,6 +58,17 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
 
+/* one k of a tile: acc[r] += x[r][k] * the panel's 16 values at k, for MR rows (x rows K apart) */
+#define FMA_K(MR, k)                                                                                          \
+    do {                                                                                                      \
+        const __m256 b0 = _mm256_loadu_ps(pan + (k) * 16), b1 = _mm256_loadu_ps(pan + (k) * 16 + 8);          \
+        for (int r = 0; r < (MR); r++) {                                                                      \
+            const __m256 a = _mm256_broadcast_ss(x + r * K + (k));                                            \
+            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);                                                    \
+            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);                                                    \
+        }                                                                                                     \
+    } while (0)
+
 /* c[r][j] = x_r . panel column j for MR rows: one fma chain per output over k, from zero. (Written this way,
    gcc keeps the 2 MR accumulators in registers; more general forms, [MR][NP][2] arrays or several panels, got
    them spilled to the stack on every step.) Meanwhile it prefetches lines [pf_lo, pf_hi) of the next panel (one
@@ -76,12 +87,7 @@ static inline __attribute__((always_inline)) void tile_##MR(const float *x, int6
     for (int64_t k = 0; k < K; k++) {                                                                         \
         due += count;                                                                                         \
         for (; due >= K; due -= K) __builtin_prefetch(pf + 16 * pf_lo++, 0, 2);                             \
-        const __m256 b0 = _mm256_loadu_ps(pan + k * 16), b1 = _mm256_loadu_ps(pan + k * 16 + 8);              \
-        for (int r = 0; r < MR; r++) {                                                                        \
-            const __m256 a = _mm256_broadcast_ss(x + r * K + k);                                              \
-            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);                                                    \
-            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);                                                    \
-        }                                                                                                     \
+        FMA_K(MR, k);                                                                                         \
     }                                                                                                         \
     for (int r = 0; r < MR; r++) {                                                                            \
         _mm256_storeu_ps(c + r * 16, acc[r][0]);                                                              \
@@ -113,14 +119,7 @@ static inline __attribute__((always_inline)) void btile_##MR(const float *x, int
         acc[r][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy);                               \
         acc[r][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy + 8);                           \
     }                                                                                                         \
-    for (int64_t k = 0; k < kc; k++) {                                                                        \
-        const __m256 b0 = _mm256_loadu_ps(pan + k * 16), b1 = _mm256_loadu_ps(pan + k * 16 + 8);              \
-        for (int r = 0; r < MR; r++) {                                                                        \
-            const __m256 a = _mm256_broadcast_ss(x + r * K + k);                                              \
-            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);                                                    \
-            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);                                                    \
-        }                                                                                                     \
-    }                                                                                                         \
+    for (int64_t k = 0; k < kc; k++) FMA_K(MR, k);                                                            \
     for (int r = 0; r < MR; r++) {                                                                            \
         if (bias) {                                                                                           \
             acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_loadu_ps(bias));                                      \
