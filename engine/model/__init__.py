@@ -68,10 +68,8 @@ def load_model(
         blocks = gguf_blocks.read(folder)
         if blocks:
             weights = weights.with_packed(blocks)
-    if panels:
-        weights = weights.with_panels()
-        if cpu:
-            weights = weights.in_huge_pages()
+    if panels:  # (CPU only)
+        weights = weights.with_panels().in_huge_pages()
     if cpu and dtype == torch.bfloat16 and onednn_linear.available():
         weights = weights.with_onednn()
     log.info(

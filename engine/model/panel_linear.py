@@ -279,36 +279,21 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: PanelWeight, bias: torch.T
         )
     xc = x.contiguous()
     bf = None if bias is None else bias.to(torch.float32).contiguous()
-    if rows >= BLOCKED_MIN_ROWS:
-        return _blocked(lib, xc, weight, bf)
-    y = torch.empty((rows, weight.out_features), dtype=torch.float32)
-    lib.kvchat_panel_linear(
+    blocked = rows >= BLOCKED_MIN_ROWS
+    out = weight.out_features
+    width = weight.panels.shape[0] * PANEL if blocked else out  # (the blocked form writes whole panels, padding too)
+    if bf is not None and width != out:
+        bf = torch.cat([bf, bf.new_zeros(width - out)])
+    y = torch.empty((rows, width), dtype=torch.float32)
+    kernel = lib.kvchat_panel_linear_blocked if blocked else lib.kvchat_panel_linear
+    kernel(
         xc.data_ptr(),
         rows,
         in_features,
         weight.panels.data_ptr(),
-        weight.out_features,
+        out,
         None if bf is None else bf.data_ptr(),
         y.data_ptr(),
         torch.get_num_threads(),
     )
-    return y
-
-
-def _blocked(lib: ctypes.CDLL, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    rows, in_features = x.shape
-    padded = weight.panels.shape[0] * PANEL
-    y = torch.empty((rows, padded), dtype=torch.float32)
-    if bias is not None and padded != weight.out_features:
-        bias = torch.cat([bias, bias.new_zeros(padded - weight.out_features)])
-    lib.kvchat_panel_linear_blocked(
-        x.data_ptr(),
-        rows,
-        in_features,
-        weight.panels.data_ptr(),
-        weight.out_features,
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return y if padded == weight.out_features else y[:, : weight.out_features].contiguous()
+    return y if width == out else y[:, :out].contiguous()
