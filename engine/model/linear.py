@@ -5,8 +5,8 @@
   CPUs, in bf16, in place of the dense weights, any number of rows);
 * ``PackedWeight``: the GGUF's quantized blocks, lossless (``packed.py``; on by default for GGUF-converted models;
   in bf16 only where the pair panels are not used, and for up to ``PACKED_MAX_ROWS_BF16`` rows);
-* ``PanelWeight``: fp32 weights in 16-output panels for our outer-product kernel (``panel_linear.py``; on AVX2 CPUs
-  without AVX-512, in fp32, in place of both of the above, for every batch size);
+* ``PanelWeight``: fp32 weights in 16-output panels for our outer-product kernel (``panel_linear.py``; on CPUs with
+  AVX2 and FMA, in fp32, in place of both of the above, for every batch size);
 * ``Int8Weight``: opt-in weight-only int8, lossy (``quant.py``);
 * ``OneDnnWeight``: any bf16 weight above plus oneDNN's reordered copy for AMX (``onednn_linear.py``; batches of
   ``MIN_ROWS..MAX_ROWS`` rows on a CPU with AMX; other batches take the weight it wraps).

@@ -1,4 +1,4 @@
-"""fp32 matmuls over weights held in 16-output panels: ``y = x W^T (+ bias)`` for any number of rows (AVX2/FMA).
+"""fp32 matmuls over weights in 16-output panels: ``y = x W^T (+ bias)`` for any number of rows (AVX2/FMA or AVX-512).
 
 Why: on an AVX2 CPU without AVX-512, in fp32 (what ``dtype=auto`` picks there), both ``F.linear`` and the packed GGUF
 kernel leave a third of the multiply-add rate unused for the row counts a server runs: ``F.linear`` is built for many
@@ -28,8 +28,14 @@ instead of 640 took 1.15-1.17x as long at 256 and 2048 rows; blocked / plain ~1.
 
 Exactness: every output is one fused multiply-add chain over ``k = 0 .. K-1`` from zero (then ``+ bias``), whatever
 the tile, the form or the batch, so a row gives the same bits alone and in any batch (test); results differ from
-``F.linear`` only by summation order. Built and used only on x86 CPUs with AVX2 and FMA but no AVX-512 (where it was
-measured); elsewhere the dense and packed paths stay.
+``F.linear`` only by summation order. Built and used on x86 CPUs with AVX2 and FMA; elsewhere the dense and packed
+paths stay. With AVX-512 a panel's 16 outputs at one ``k`` are one 16-lane register instead of two 8-lane ones
+(written so: gcc kept the AVX2 form's 8-lane pairs apart, 1.4x slower from 16 rows on); each output is still its own
+lane's chain, so the bits are those of an AVX2 build (test). On AVX-512 CPUs the panels also take fp32 from the GGUF
+blocks and ``F.linear``, which gave one- and two-row batches other bits than larger ones. Measured on a 2-core Zen 5
+EPYC, SmolLM2's linear layers + head, fp32 (ms, 16-lane / 8-lane form): interleaved, best of 9, 1 row 12.0 / 12.0
+(memory-bound), 16 rows 14.0 / 19.7, 64 rows 54.7 / 78.9; in separate runs, best of 5, with ``F.linear`` third: 1 row
+11.6 / 8.6 / 31.9, 16 rows 14.5 / 20.4 / 46.3, 256 rows 198 / 290 / 365, 2048 rows 1584 / 2358 / 2760.
 """
 
 from __future__ import annotations
@@ -58,14 +64,38 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
 
+/* A panel's 16 outputs at one k are NV vectors of VL lanes: one 16-lane vector with AVX-512, two 8-lane ones with
+   AVX2. Either way each output is its own lane's fma chain, so both builds give the same bits. */
+#ifdef __AVX512F__
+typedef __m512 vec;
+#define NV 1
+#define VL 16
+#define V_ZERO() _mm512_setzero_ps()
+#define V_LOAD(p) _mm512_loadu_ps(p)
+#define V_STORE(p, v) _mm512_storeu_ps(p, v)
+#define V_BCAST(p) _mm512_set1_ps(*(p))
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm512_add_ps(a, b)
+#else
+typedef __m256 vec;
+#define NV 2
+#define VL 8
+#define V_ZERO() _mm256_setzero_ps()
+#define V_LOAD(p) _mm256_loadu_ps(p)
+#define V_STORE(p, v) _mm256_storeu_ps(p, v)
+#define V_BCAST(p) _mm256_broadcast_ss(p)
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm256_add_ps(a, b)
+#endif
+
 /* one k of a tile: acc[r] += x[r][k] * the panel's 16 values at k, for MR rows (x rows K apart) */
 #define FMA_K(MR, k)                                                                                          \
     do {                                                                                                      \
-        const __m256 b0 = _mm256_loadu_ps(pan + (k) * 16), b1 = _mm256_loadu_ps(pan + (k) * 16 + 8);          \
+        vec b[NV];                                                                                            \
+        for (int v = 0; v < NV; v++) b[v] = V_LOAD(pan + (k) * 16 + v * VL);                                  \
         for (int r = 0; r < (MR); r++) {                                                                      \
-            const __m256 a = _mm256_broadcast_ss(x + r * K + (k));                                            \
-            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);                                                    \
-            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);                                                    \
+            const vec a = V_BCAST(x + r * K + (k));                                                           \
+            for (int v = 0; v < NV; v++) acc[r][v] = V_FMA(a, b[v], acc[r][v]);                               \
         }                                                                                                     \
     } while (0)
 
@@ -77,11 +107,9 @@ _SOURCE = r"""
 static inline __attribute__((always_inline)) void tile_##MR(const float *x, int64_t K, const float *pan,     \
                                                             float *c, const float *pf, int64_t pf_lo,         \
                                                             int64_t pf_hi) {                                  \
-    __m256 acc[MR][2];                                                                                        \
-    for (int r = 0; r < MR; r++) {                                                                            \
-        acc[r][0] = _mm256_setzero_ps();                                                                      \
-        acc[r][1] = _mm256_setzero_ps();                                                                      \
-    }                                                                                                         \
+    vec acc[MR][NV];                                                                                          \
+    for (int r = 0; r < MR; r++)                                                                              \
+        for (int v = 0; v < NV; v++) acc[r][v] = V_ZERO();                                                    \
     const int64_t count = pf_hi - pf_lo; /* (fixed: with pf_lo as it advances, 63% of them were fetched) */  \
     int64_t due = 0; /* count / K lines per k, as a running remainder */                                     \
     for (int64_t k = 0; k < K; k++) {                                                                         \
@@ -89,10 +117,8 @@ static inline __attribute__((always_inline)) void tile_##MR(const float *x, int6
         for (; due >= K; due -= K) __builtin_prefetch(pf + 16 * pf_lo++, 0, 2);                             \
         FMA_K(MR, k);                                                                                         \
     }                                                                                                         \
-    for (int r = 0; r < MR; r++) {                                                                            \
-        _mm256_storeu_ps(c + r * 16, acc[r][0]);                                                              \
-        _mm256_storeu_ps(c + r * 16 + 8, acc[r][1]);                                                          \
-    }                                                                                                         \
+    for (int r = 0; r < MR; r++)                                                                              \
+        for (int v = 0; v < NV; v++) V_STORE(c + r * 16 + v * VL, acc[r][v]);                                 \
 }
 TILE(6)
 TILE(4)
@@ -114,20 +140,15 @@ TILE(1)
 static inline __attribute__((always_inline)) void btile_##MR(const float *x, int64_t K, int64_t kc,           \
                                                              const float *pan, float *y, int64_t ldy,         \
                                                              int first, const float *bias) {                  \
-    __m256 acc[MR][2];                                                                                        \
-    for (int r = 0; r < MR; r++) {                                                                            \
-        acc[r][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy);                               \
-        acc[r][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy + 8);                           \
-    }                                                                                                         \
+    vec acc[MR][NV];                                                                                          \
+    for (int r = 0; r < MR; r++)                                                                              \
+        for (int v = 0; v < NV; v++) acc[r][v] = first ? V_ZERO() : V_LOAD(y + r * ldy + v * VL);             \
     for (int64_t k = 0; k < kc; k++) FMA_K(MR, k);                                                            \
-    for (int r = 0; r < MR; r++) {                                                                            \
-        if (bias) {                                                                                           \
-            acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_loadu_ps(bias));                                      \
-            acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_loadu_ps(bias + 8));                                  \
+    for (int r = 0; r < MR; r++)                                                                              \
+        for (int v = 0; v < NV; v++) {                                                                        \
+            if (bias) acc[r][v] = V_ADD(acc[r][v], V_LOAD(bias + v * VL));                                    \
+            V_STORE(y + r * ldy + v * VL, acc[r][v]);                                                         \
         }                                                                                                     \
-        _mm256_storeu_ps(y + r * ldy, acc[r][0]);                                                             \
-        _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);                                                         \
-    }                                                                                                         \
 }
 BTILE(6)
 BTILE(4)
@@ -248,9 +269,8 @@ def to_panels(weight: torch.Tensor) -> PanelWeight:
 
 @functools.cache
 def available() -> bool:
-    """Whether this CPU is one the kernel is built and used for: x86 with AVX2 and FMA, no AVX-512."""
-    flags = cpu_flags()
-    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+    """Whether this CPU is one the kernel is built and used for: x86 with AVX2 and FMA (AVX-512 or not)."""
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 @functools.cache
@@ -259,13 +279,15 @@ def load() -> ctypes.CDLL | None:
     if not available():
         return None
     lib = open_library("panel_linear", _SOURCE, "the dense and packed weights")
-    if lib is None:
-        return None
+    return None if lib is None else bind(lib)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the argument types of a built kernel library's functions (``load``; tests build variants)."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.kvchat_panel_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-    lib.kvchat_panel_linear.restype = None
-    lib.kvchat_panel_linear_blocked.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-    lib.kvchat_panel_linear_blocked.restype = None
+    for fn in (lib.kvchat_panel_linear, lib.kvchat_panel_linear_blocked):
+        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+        fn.restype = None
     return lib
 
 

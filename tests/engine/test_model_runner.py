@@ -65,7 +65,7 @@ def test_pool_and_weights_are_in_huge_pages(runner: ModelRunner) -> None:
     assert torch.equal(tied.embed, weights.embed)
     layer = weights.layers[0]
 
-    def tensor(w: object) -> torch.Tensor:  # dense, or fp32 panels where the panel kernel runs (AVX2 CPUs)
+    def tensor(w: object) -> torch.Tensor:  # dense, or fp32 panels where the panel kernel runs (AVX2 CPUs, AVX-512 too)
         held = w.panels if isinstance(w, PanelWeight) else w
         assert isinstance(held, torch.Tensor)
         return held
@@ -88,9 +88,14 @@ def test_bf16_linear_weights_are_pair_panels_in_huge_pages(folder: Path) -> None
     assert all(isinstance(w, Bf16Panels) for w in linear) and weights.num_panels == len(linear)
     assert isinstance(weights.embed, torch.Tensor)  # (the table stays dense for the lookup; a tied head: a panel copy)
     assert isinstance(weights.lm_head, Bf16Panels)
-    assert isinstance(dense.lm_head, torch.Tensor)
-    assert torch.equal(weights.lm_head.dense, dense.lm_head.to(torch.bfloat16))
-    assert torch.equal(weights.layers[1].down.dense, dense.layers[1].down.to(torch.bfloat16))
+
+    def fp32(w: object) -> torch.Tensor:  # dense, or fp32 panels (every CPU with AVX512-BF16 has AVX2)
+        held = w.dense if isinstance(w, PanelWeight) else w
+        assert isinstance(held, torch.Tensor) and held.dtype == torch.float32
+        return held
+
+    assert torch.equal(weights.lm_head.dense, fp32(dense.lm_head).to(torch.bfloat16))
+    assert torch.equal(weights.layers[1].down.dense, fp32(dense.layers[1].down).to(torch.bfloat16))
     if huge_pages.available():
         first = weights.lm_head.panels
         assert first.data_ptr() % HUGE_PAGE == 0

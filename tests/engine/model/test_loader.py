@@ -147,7 +147,7 @@ def test_smollm2_converts_once_and_matches_hf(smollm2_cache: str) -> None:
     fp32_panels = panel_linear.load() is not None
     if packed.load() is not None:  # every linear layer (4 per layer) and the tied LM head read the GGUF's blocks
         assert runner.model.weights.num_packed == (0 if fp32_panels else 4 * 30 + 1)
-    # in fp32 on an AVX2-only CPU every linear weight is held as panels instead (the blocks are dropped)
+    # in fp32 on a CPU with AVX2 (AVX-512 too) every linear weight is held as panels instead (the blocks are dropped)
     assert runner.model.weights.num_panels == (4 * 30 + 1 if fp32_panels else 0)
     # in bf16 where the AVX512-BF16 kernel runs every linear weight is held as pair panels and the GGUF blocks are
     # dropped; on AMX every linear weight also gets oneDNN's reordered copy

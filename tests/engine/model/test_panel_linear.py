@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import linear, panel_linear
+from engine.device import cpu_flags
+from engine.model import cpu_kernels, linear, panel_linear
 from engine.model.panel_linear import PanelWeight, to_panels
 
 needs_kernel = pytest.mark.skipif(
-    panel_linear.load() is None, reason="not an AVX2-without-AVX-512 CPU (or no compiler)"
+    panel_linear.load() is None, reason="not an x86 CPU with AVX2 and FMA (or no compiler)"
 )
 
 
@@ -56,6 +57,24 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
         for n in (1, 2, 3, 4, 5, 6, 7):
             if i + n <= 31:
                 assert torch.equal(panel_linear.linear(lib, x[i : i + n], pw)[0], batch[i])
+
+
+@needs_kernel
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="no AVX-512: the native build is the AVX2 one")
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 40, 200])
+def test_an_avx512_build_gives_the_bits_of_an_avx2_build(rows: int) -> None:
+    # a build for Haswell (AVX2 + FMA, 8-lane vectors) against the native one (gcc merges the 8-lane pairs into
+    # 16-lane multiply-adds): the same weights give the same bits on either kind of machine
+    source = '#pragma GCC target("arch=haswell")\n' + panel_linear._SOURCE
+    haswell = cpu_kernels.open_library("panel_linear_haswell", source, "nothing (the test fails)")
+    lib = panel_linear.load()
+    assert haswell is not None and lib is not None
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1300, generator=gen)
+    pw = to_panels(torch.randn(70, 1300, generator=gen))
+    bias = torch.randn(70, generator=gen)
+    expected = panel_linear.linear(panel_linear.bind(haswell), x, pw, bias)
+    assert torch.equal(panel_linear.linear(lib, x, pw, bias), expected)
 
 
 @needs_kernel
