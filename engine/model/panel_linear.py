@@ -26,16 +26,20 @@ Measured on a 2-core AMD EPYC (Zen 3), SmolLM2's linear layers, interleaved roun
 instead of 640 took 1.15-1.17x as long at 256 and 2048 rows; blocked / plain ~1.0 at 32 and 64 rows but 1.15-1.19 at
 16-24 (so smaller batches keep the plain form).
 
-Exactness: every output is one fused multiply-add chain over ``k = 0 .. K-1`` from zero (then ``+ bias``), whatever
-the tile, the form or the batch, so a row gives the same bits alone and in any batch (test); results differ from
-``F.linear`` only by summation order. Built and used on x86 CPUs with AVX2 and FMA; elsewhere the dense and packed
-paths stay. With AVX-512 a panel's 16 outputs at one ``k`` are one 16-lane register instead of two 8-lane ones
-(written so: gcc kept the AVX2 form's 8-lane pairs apart, 1.4x slower from 16 rows on); each output is still its own
-lane's chain, so the bits are those of an AVX2 build (test). On AVX-512 CPUs the panels also take fp32 from the GGUF
-blocks and ``F.linear``, which gave one- and two-row batches other bits than larger ones. Measured on a 2-core Zen 5
-EPYC, SmolLM2's linear layers + head, fp32 (ms, 16-lane / 8-lane form): interleaved, best of 9, 1 row 12.0 / 12.0
-(memory-bound), 16 rows 14.0 / 19.7, 64 rows 54.7 / 78.9; in separate runs, best of 5, with ``F.linear`` third: 1 row
-11.6 / 8.6 / 31.9, 16 rows 14.5 / 20.4 / 46.3, 256 rows 198 / 290 / 365, 2048 rows 1584 / 2358 / 2760.
+Exactness: every output is summed in one order, whatever the tile, the form or the batch: fused multiply-add chains
+over slices of ``KS = 64`` k from zero, added slice by slice (then ``+ bias``), so a row gives the same bits alone and
+in any batch (test); results differ from ``F.linear`` only by summation order. (The slices: one chain over all k put
+SmolLM2's fp32 logits 1.14e-4 from transformers', past the 1e-4 the tests allow; by slices 4.8e-5, and 2.2e-5 from a
+float64 forward, against transformers' own 9.3e-5.)
+
+Built and used on x86 CPUs with AVX2 and FMA; elsewhere the dense and packed paths stay. With AVX-512 a panel's 16
+outputs at one ``k`` are one 16-lane register instead of two 8-lane ones (written so: gcc kept the AVX2 form's
+8-lane pairs apart, 1.4x slower from 16 rows on); each output still sums in the order above, so the bits are those
+of an AVX2 build (test). On AVX-512 CPUs the panels also take fp32 from the GGUF blocks and ``F.linear``, which gave
+one- and two-row batches other bits than larger ones. Measured on a 2-core Zen 5 EPYC, SmolLM2's linear layers +
+head, fp32 (ms, 16-lane / 8-lane form): interleaved, best of 9, 1 row 12.0 / 12.0 (memory-bound), 16 rows 14.0 /
+19.7, 64 rows 54.7 / 78.9; in separate runs, best of 5, with ``F.linear`` third: 1 row 11.6 / 8.6 / 31.9, 16 rows
+14.5 / 20.4 / 46.3, 256 rows 198 / 290 / 365, 2048 rows 1584 / 2358 / 2760.
 """
 
 from __future__ import annotations
@@ -99,26 +103,41 @@ typedef __m256 vec;
         }                                                                                                     \
     } while (0)
 
-/* c[r][j] = x_r . panel column j for MR rows: one fma chain per output over k, from zero. (Written this way,
-   gcc keeps the 2 MR accumulators in registers; more general forms, [MR][NP][2] arrays or several panels, got
-   them spilled to the stack on every step.) Meanwhile it prefetches lines [pf_lo, pf_hi) of the next panel (one
-   line is one k of a panel), spread evenly over its k. */
+/* The sum over k: each output is a chain of sums of slices, (s_0 + s_1) + s_2 + ..., where s_i is one fma chain over
+   k = KS i .. KS (i + 1) - 1 from zero. In any batch, tile and form an output is summed in this one order (so a row
+   gives the same bits alone and in a batch), and the rounding error grows with KS + K / KS instead of K: SmolLM2's
+   fp32 logits were 1.14e-4 from transformers' with one chain over k (the down projection's 1536), 4e-5 with its
+   down projection in fp64. */
+#ifndef KS
+#define KS 64
+#endif
+
+/* c[r][j] = x_r . panel column j for MR rows, summed by slices as above (each slice's chain in registers, the running
+   sum in c). (Written this way, gcc keeps the MR NV accumulators in registers; more general forms, [MR][NP][2]
+   arrays or several panels, got them spilled to the stack on every step.) Meanwhile it prefetches lines
+   [pf_lo, pf_hi) of the next panel (one line is one k of a panel), spread evenly over its k. */
 #define TILE(MR)                                                                                              \
 static inline __attribute__((always_inline)) void tile_##MR(const float *x, int64_t K, const float *pan,     \
                                                             float *c, const float *pf, int64_t pf_lo,         \
                                                             int64_t pf_hi) {                                  \
     vec acc[MR][NV];                                                                                          \
-    for (int r = 0; r < MR; r++)                                                                              \
-        for (int v = 0; v < NV; v++) acc[r][v] = V_ZERO();                                                    \
     const int64_t count = pf_hi - pf_lo; /* (fixed: with pf_lo as it advances, 63% of them were fetched) */  \
     int64_t due = 0; /* count / K lines per k, as a running remainder */                                     \
-    for (int64_t k = 0; k < K; k++) {                                                                         \
-        due += count;                                                                                         \
-        for (; due >= K; due -= K) __builtin_prefetch(pf + 16 * pf_lo++, 0, 2);                             \
-        FMA_K(MR, k);                                                                                         \
+    for (int64_t k0 = 0; k0 < K; k0 += KS) {                                                                  \
+        const int64_t k1 = k0 + KS < K ? k0 + KS : K;                                                         \
+        for (int r = 0; r < MR; r++)                                                                          \
+            for (int v = 0; v < NV; v++) acc[r][v] = V_ZERO();                                                \
+        for (int64_t k = k0; k < k1; k++) {                                                                   \
+            due += count;                                                                                     \
+            for (; due >= K; due -= K) __builtin_prefetch(pf + 16 * pf_lo++, 0, 2);                         \
+            FMA_K(MR, k);                                                                                     \
+        }                                                                                                     \
+        for (int r = 0; r < MR; r++)                                                                          \
+            for (int v = 0; v < NV; v++) {                                                                    \
+                float *at = c + r * 16 + v * VL;                                                              \
+                V_STORE(at, k0 ? V_ADD(V_LOAD(at), acc[r][v]) : acc[r][v]);                                   \
+            }                                                                                                 \
     }                                                                                                         \
-    for (int r = 0; r < MR; r++)                                                                              \
-        for (int v = 0; v < NV; v++) V_STORE(c + r * 16 + v * VL, acc[r][v]);                                 \
 }
 TILE(6)
 TILE(4)
@@ -126,10 +145,10 @@ TILE(2)
 TILE(1)
 
 /* The blocked form for many rows (prefill chunks), as BLIS/GotoBLAS block a GEMM: k in slices of up to KC (a
-   panel's slice, up to 40 KiB, stays in L1/L2 while every row tile of a row block uses it) and rows in blocks of MC
-   (x's MC x KC slice stays in L2 while the thread's panels pass). A tile adds its slice to the partial sums it left
-   in y (stored and reloaded as fp32: exact), so every output is still the one fma chain over k = 0 .. K-1 from zero,
-   then + bias: the same bits as the tiles above. */
+   panel's slice, up to 40 KiB, stays in L1/L2 while every row tile of a row block uses it; a multiple of KS, so that
+   the sums by slices above fall within one) and rows in blocks of MC (x's MC x KC slice stays in L2 while the
+   thread's panels pass). A tile adds its slices to the running sums it left in y (stored and reloaded as fp32:
+   exact), so every output is summed in the order above, then + bias: the same bits as the tiles above. */
 #ifndef KC
 #define KC 640 /* K is cut into equal slices of at most KC (576: whole, 1536: 3 x 512); 256 measured 1.17x slower */
 #endif
@@ -141,14 +160,19 @@ static inline __attribute__((always_inline)) void btile_##MR(const float *x, int
                                                              const float *pan, float *y, int64_t ldy,         \
                                                              int first, const float *bias) {                  \
     vec acc[MR][NV];                                                                                          \
-    for (int r = 0; r < MR; r++)                                                                              \
-        for (int v = 0; v < NV; v++) acc[r][v] = first ? V_ZERO() : V_LOAD(y + r * ldy + v * VL);             \
-    for (int64_t k = 0; k < kc; k++) FMA_K(MR, k);                                                            \
-    for (int r = 0; r < MR; r++)                                                                              \
-        for (int v = 0; v < NV; v++) {                                                                        \
-            if (bias) acc[r][v] = V_ADD(acc[r][v], V_LOAD(bias + v * VL));                                    \
-            V_STORE(y + r * ldy + v * VL, acc[r][v]);                                                         \
-        }                                                                                                     \
+    for (int64_t k0 = 0; k0 < kc; k0 += KS) {                                                                 \
+        const int64_t k1 = k0 + KS < kc ? k0 + KS : kc;                                                       \
+        for (int r = 0; r < MR; r++)                                                                          \
+            for (int v = 0; v < NV; v++) acc[r][v] = V_ZERO();                                                \
+        for (int64_t k = k0; k < k1; k++) FMA_K(MR, k);                                                       \
+        for (int r = 0; r < MR; r++)                                                                          \
+            for (int v = 0; v < NV; v++) {                                                                    \
+                float *at = y + r * ldy + v * VL;                                                             \
+                vec sum = first && k0 == 0 ? acc[r][v] : V_ADD(V_LOAD(at), acc[r][v]);                        \
+                if (bias && k1 == kc) sum = V_ADD(sum, V_LOAD(bias + v * VL));                                \
+                V_STORE(at, sum);                                                                             \
+            }                                                                                                 \
+    }                                                                                                         \
 }
 BTILE(6)
 BTILE(4)
@@ -164,7 +188,7 @@ void kvchat_panel_linear_blocked(const float *x, int64_t R, int64_t K, const flo
     {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         const int64_t lo = npanels * tid / nth, hi = npanels * (tid + 1) / nth;
-        const int64_t slices = (K + KC - 1) / KC, step = (K + slices - 1) / slices;
+        const int64_t slices = (K + KC - 1) / KC, even = (K + slices - 1) / slices, step = (even + KS - 1) / KS * KS;
         for (int64_t k0 = 0; k0 < K; k0 += step) {
             const int64_t kc = K - k0 < step ? K - k0 : step;
             const int first = k0 == 0;
