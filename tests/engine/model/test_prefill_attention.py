@@ -44,6 +44,8 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.T
     ("heads", "kv_heads", "dim", "q_len", "start", "block_size"),
     [
         (9, 3, 64, 30, 2000, 16),  # a follow-up turn over a long cached prefix
+        (9, 3, 64, 80, 2000, 16),  # a longer one: few work items, tiles of up to 128 rows (AVX-512)
+        (16, 2, 80, 70, 300, 16),  # the same with a group of 8: at most 16 positions a tile
         (9, 3, 64, 200, 0, 16),  # a cold causal chunk: many tiles, unequal work
         (4, 2, 128, 7, 13, 4),  # head dim 128, a prefix ending inside a block
         (8, 8, 32, 33, 64, 16),  # no GQA, head dim 32 (not a multiple of 64)
@@ -71,12 +73,13 @@ def test_kernel_matches_float64_sdpa(
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_computes_to_the_same_bits_cold_and_after_a_prefix_hit(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("prefix", [237, 296, 220, 160])  # follow-up chunks of 63, 4, 80 and 140 rows
+def test_a_row_computes_to_the_same_bits_cold_and_after_a_prefix_hit(dtype: torch.dtype, prefix: int) -> None:
     """The rows after ``prefix`` give identical bits in a cold chunk of the whole prompt and in a chunk that starts at
     ``prefix`` (what a prefix-cache hit runs), whatever the tiling of either call."""
     lib = prefill_attention.load()
     assert lib is not None
-    heads, kv_heads, dim, total, prefix = 9, 3, 64, 300, 237
+    heads, kv_heads, dim, total = 9, 3, 64, 300
     k, v, table = _pool(dtype, kv_heads, dim, total, 16, seed=3)
     q = torch.randn(total, heads, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
     cold = torch.empty_like(q)
