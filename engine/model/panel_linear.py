@@ -69,7 +69,7 @@ _SOURCE = r"""
 #include <omp.h>
 
 /* A panel's 16 outputs at one k are NV vectors of VL lanes: one 16-lane vector with AVX-512, two 8-lane ones with
-   AVX2. Either way each output is its own lane's fma chain, so both builds give the same bits. */
+   AVX2. Either way each output is summed in its own lane, in the one order below, so both builds give the same bits. */
 #ifdef __AVX512F__
 typedef __m512 vec;
 #define NV 1
