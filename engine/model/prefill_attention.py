@@ -8,13 +8,14 @@ additive mask). Per layer, bf16: 30 queries over 2k keys 0.64 vs SDPA 1.33 ms; a
 (fp32: 1.15 vs 1.27, 30 vs 68 ms). With AVX2 only, fp32 (Zen 3): 2.0 vs 1.9 ms and 47 vs 51 ms (``worthwhile``).
 
 Work items are (kv head, tile of query positions); a tile holds every query head of the kv head's group for its
-positions (GQA without repeating K/V), as 16-row vectors (the query rows are the vector lanes). A chunk after a long
-cached prefix (a follow-up turn) whose items would be few takes the tile count that gives the slowest thread the least
-work (``few_tiles``): SmolLM2, 2 threads, Zen 5, 30 layers, interleaved, same bits: 80 rows over 1950 cached 29.6 ->
-24.7 ms, 72 rows 27.4 -> 23.8, 140 rows 50.2 -> 45.1, 4 rows 6.0 -> 4.2, over 500 and 3500 cached alike; 12-64 and
-90-128 rows unchanged. Keys go in chunks of
+positions (GQA without repeating K/V), as 16-row vectors (the query rows are the vector lanes). Keys go in chunks of
 64: the chunk's scores come from register tiles of keys x row vectors (a broadcast key value times a vector of query
 values, over the head dim), then an online softmax and the V product update fp32 accumulators.
+
+A chunk after a long cached prefix (a follow-up turn) whose items would be few takes the tile count that gives the
+slowest thread the least work (``few_tiles``; AVX-512 builds). SmolLM2, 2 threads, Zen 5, 30 layers, interleaved,
+same bits: 80 rows over 1950 cached 29.6 -> 24.7 ms, 72 rows 27.4 -> 23.8, 140 rows 50.2 -> 45.1, 4 rows 6.0 -> 4.2,
+over 500 and 3500 cached alike; 12-64 and 90-128 rows unchanged.
 
 Exactness: a query row's output depends only on that row and its keys 0..pos: the key chunks start at absolute key 0
 whatever the tile, masked keys contribute exactly 0 (a chunk wholly after the row leaves it unchanged: its max stays,
@@ -361,11 +362,11 @@ static int64_t few_tiles(int64_t q_len, int64_t group, int64_t kv_heads, int nth
         const int64_t per_item = 1 + 40 * (nv / 4) + 23 * ((nv % 4) / 2) + 16 * (nv % 2);
         const int64_t cost = (real * kv_heads + nthreads - 1) / nthreads * per_item;
         if (best == 0 || cost < best_cost) {
-            best = real;
+            best = nt; /* (the caller cuts the chunk as here: tiles of t positions, `real` of them) */
             best_cost = cost;
         }
     }
-    return best > 0 ? best : (q_len + (16 * MAXV / group) - 1) / (16 * MAXV / group);
+    return best > 0 ? best : max_tiles; /* (max_tiles >= the count the caller started from, which always fits) */
 }
 
 /* out[p] = softmax(q[p] K^T * scale, keys 0..start_pos + p) V for the q_len rows of one sequence's chunk.

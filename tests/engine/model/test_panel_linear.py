@@ -76,8 +76,8 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
 @pytest.mark.skipif("avx512f" not in cpu_flags(), reason="no AVX-512: the native build is the AVX2 one")
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 40, 200])
 def test_an_avx512_build_gives_the_bits_of_an_avx2_build(rows: int) -> None:
-    # a build for Haswell (AVX2 + FMA, 8-lane vectors) against the native one (gcc merges the 8-lane pairs into
-    # 16-lane multiply-adds): the same weights give the same bits on either kind of machine
+    # a build for Haswell (AVX2 + FMA: a panel is two 8-lane vectors) against the native one (one 16-lane vector):
+    # the same weights give the same bits on either kind of machine
     source = '#pragma GCC target("arch=haswell")\n' + panel_linear._SOURCE
     haswell = cpu_kernels.open_library("panel_linear_haswell", source, "nothing (the test fails)")
     lib = panel_linear.load()
