@@ -144,6 +144,16 @@ TILE(4)
 TILE(2)
 TILE(1)
 
+/* The row tiles of rows r .. END - 1 (r advances): as many of 6 rows as fit, then one of 4, 2 and 1 as needed. X(MR)
+   runs one tile of MR rows at row r and advances r. */
+#define ROW_TILES(END, X)                                                                                     \
+    do {                                                                                                      \
+        while (r + 6 <= (END)) X(6);                                                                          \
+        if (r + 4 <= (END)) X(4);                                                                             \
+        if (r + 2 <= (END)) X(2);                                                                             \
+        if (r < (END)) X(1);                                                                                  \
+    } while (0)
+
 /* The blocked form for many rows (prefill chunks), as BLIS/GotoBLAS block a GEMM: k in slices of up to KC (a
    panel's slice, up to 40 KiB, stays in L1/L2 while every row tile of a row block uses it; a multiple of KS, so that
    the sums by slices above fall within one) and rows in blocks of MC (x's MC x KC slice stays in L2 while the
@@ -206,10 +216,7 @@ void kvchat_panel_linear_blocked(const float *x, int64_t R, int64_t K, const flo
         btile_##MR(x + r * K + k0, K, kc, pan, y + r * ldy + p * 16, ldy, first, bp);                         \
         r += MR;                                                                                              \
     } while (0)
-                    while (r + 6 <= i1) BT(6);
-                    if (r + 4 <= i1) BT(4);
-                    if (r + 2 <= i1) BT(2);
-                    if (r < i1) BT(1);
+                    ROW_TILES(i1, BT);
 #undef BT
                 }
             }
@@ -252,10 +259,7 @@ void kvchat_panel_linear(const float *x, int64_t R, int64_t K, const float *pane
         put(c, MR, r, p, O, bias, y);                                                                         \
         r += MR;                                                                                              \
     } while (0)
-            while (r + 6 <= R) TILE_AT(6);
-            if (r + 4 <= R) TILE_AT(4);
-            if (r + 2 <= R) TILE_AT(2);
-            if (r < R) TILE_AT(1);
+            ROW_TILES(R, TILE_AT);
 #undef TILE_AT
         }
     }
