@@ -17,7 +17,6 @@ from backend.api.routes import admin_sessions, chat_ws, health, openai_api
 from backend.chat.hub import SessionHub
 from backend.chat.service import ChatService, ReplyConfig
 from backend.core.config import Settings
-from backend.core.heap import long_lived_heap_frozen
 from backend.core.state import AppState
 from backend.db import migrate
 from backend.db.engine import create_db_engine, create_sessionmaker
@@ -54,8 +53,7 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
         base = f"http://{settings.host}:{settings.port}"
         log.info("kvchat ready: chat page %s/chat (websocket /ws/chat), API docs %s/docs", base, base)
         try:
-            with long_lived_heap_frozen():  # (full GC passes would otherwise stall every request: backend/core/heap.py)
-                yield
+            yield
         finally:
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
