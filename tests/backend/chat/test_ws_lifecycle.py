@@ -144,7 +144,10 @@ async def test_resolved_session_reopens_on_a_customer_reply(make_server: Any) ->
 
 async def test_reconnect_mid_reply_attaches_to_the_reply_in_flight(make_server: Any) -> None:
     live = make_server(reply_max_tokens=300)
-    async with websockets.connect(live.ws) as ws:
+    # NOTE: max_queue=None: this socket stops reading after the first delta, and with the default queue (16 frames) the
+    # client stops reading the transport once deltas pile up, so the server's close reply sat unread until the close
+    # timeout (10 s) and the reply could finish before the reconnect (a flaky failure, ~1 run in 10 on a fast CPU)
+    async with websockets.connect(live.ws, max_queue=None) as ws:
         chat = Chat(ws)
         session_id = (await chat.hello())["session_id"]
         await chat.send(type="user.message", client_msg_id="q", text="Explain the whole return policy")
@@ -200,7 +203,9 @@ async def test_engine_busy_is_an_error_frame_with_retry_after(
         EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu", max_num_seqs=1, max_waiting=1)
     )
     await engine.start()
-    live = await asyncio.to_thread(start_server, server_settings(sqlite_url, tmp_path, reply_max_tokens=200), engine)
+    # NOTE: replies of 500 tokens, not 200: on a fast CPU the first 200-token reply could finish before the third
+    # message arrived, and then nobody was busy (~1 whole-file run in 20 failed so on a Zen 5)
+    live = await asyncio.to_thread(start_server, server_settings(sqlite_url, tmp_path, reply_max_tokens=500), engine)
     try:
         async with (
             websockets.connect(live.ws) as w1,
