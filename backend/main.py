@@ -17,6 +17,7 @@ from backend.api.routes import admin_sessions, chat_ws, health, openai_api
 from backend.chat.hub import SessionHub
 from backend.chat.service import ChatService, ReplyConfig
 from backend.core.config import Settings
+from backend.core.heap import long_lived_heap_frozen
 from backend.core.state import AppState
 from backend.db import migrate
 from backend.db.engine import create_db_engine, create_sessionmaker
@@ -53,7 +54,8 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
         base = f"http://{settings.host}:{settings.port}"
         log.info("kvchat ready: chat page %s/chat (websocket /ws/chat), API docs %s/docs", base, base)
         try:
-            yield
+            with long_lived_heap_frozen():  # (full GC passes would otherwise stall every request: backend/core/heap.py)
+                yield
         finally:
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
