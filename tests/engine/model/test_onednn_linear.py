@@ -19,6 +19,14 @@ from engine.testing import build_tiny_model
 needs_amx = pytest.mark.skipif(not onednn_linear.available(), reason="no AMX-BF16 CPU (or PyTorch without oneDNN)")
 
 
+def _q8_0_weight(gen: torch.Generator, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 weight and q8_0 blocks that hold it exactly (d = 1/16, so every d * q is a bf16 value)."""
+    q = torch.randint(-127, 128, (out_features, in_features // 32, 32), generator=gen, dtype=torch.int8)
+    d = torch.full((out_features, in_features // 32, 1), 1 / 16, dtype=torch.float16).view(torch.uint8)
+    blocks = torch.cat([d, q.view(torch.uint8)], dim=-1).reshape(out_features, -1).contiguous()
+    return (q.float() / 16).reshape(out_features, in_features).to(torch.bfloat16), blocks
+
+
 def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
     exponent = torch.floor(torch.log2(x.abs().clamp_min(1e-30)))
     return torch.pow(2.0, exponent - 7)
@@ -45,8 +53,8 @@ def test_reordered_weights_are_within_one_bf16_ulp_of_float64(
 @needs_amx
 def test_linear_takes_the_reordered_copy_only_for_its_batch_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(3)
-    dense = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
-    blocks = PackedWeight(blocks=torch.zeros(40, 1, dtype=torch.uint8), fmt="q8_0", dense=dense)
+    dense, q8_blocks = _q8_0_weight(gen, 40, 64)
+    blocks = PackedWeight(blocks=q8_blocks, fmt="q8_0", dense=dense)
     calls: list[int] = []
     real = onednn_linear.linear
 
