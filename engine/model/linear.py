@@ -2,14 +2,16 @@
 
 * a dense tensor (``F.linear``);
 * ``Bf16Panels``: bf16 weights in 16-output pair panels for our AVX512-BF16 kernel (``bf16_linear.py``; on such
-  CPUs, in bf16, in place of the dense weights, any number of rows);
+  CPUs, in bf16, in place of the dense weights, any number of rows), or, on a CPU with AMX, for our tile kernel
+  (``amx_linear.py``; up to ``amx_linear.MAX_ROWS`` rows, for every weight whose input width it takes);
 * ``PackedWeight``: the GGUF's quantized blocks, lossless (``packed.py``; on by default for GGUF-converted models;
   in bf16 only where the pair panels are not used, and for up to ``PACKED_MAX_ROWS_BF16`` rows);
 * ``PanelWeight``: fp32 weights in 16-output panels for our outer-product kernel (``panel_linear.py``; on CPUs with
   AVX2 and FMA, in fp32, in place of both of the above, for every batch size);
 * ``Int8Weight``: opt-in weight-only int8, lossy (``quant.py``);
 * ``OneDnnWeight``: any bf16 weight above plus oneDNN's reordered copy for AMX (``onednn_linear.py``; batches of
-  ``MIN_ROWS..MAX_ROWS`` rows on a CPU with AMX; other batches take the weight it wraps).
+  ``MIN_ROWS..MAX_ROWS`` rows on a CPU with AMX, except those the tile kernel takes from pair panels; other batches
+  take the weight it wraps).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.model import bf16_linear, onednn_linear, packed, panel_linear, quant
+from engine.model import amx_linear, bf16_linear, onednn_linear, packed, panel_linear, quant
 from engine.model.bf16_linear import Bf16Panels
 from engine.model.onednn_linear import OneDnnWeight
 from engine.model.packed import PackedWeight
@@ -29,7 +31,7 @@ Weight = torch.Tensor | PackedWeight | PanelWeight | Bf16Panels | Int8Weight | O
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, OneDnnWeight):
-        if onednn_linear.takes(x, bias, weight):
+        if not _amx_takes(x, weight.base) and onednn_linear.takes(x, bias, weight):
             return onednn_linear.linear(x, weight, bias)
         return linear(x, weight.base, bias)
     if isinstance(weight, PanelWeight):
@@ -38,6 +40,9 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
             raise RuntimeError("panel weights without the panel kernel")
         return panel_linear.linear(lib, x, weight, bias)
     if isinstance(weight, Bf16Panels):
+        amx = amx_linear.load()
+        if amx is not None and amx_linear.takes(x, weight):
+            return amx_linear.linear(amx, x, weight, bias)
         lib = bf16_linear.load()
         if lib is None:  # NOTE: not reached: weights are only made panels where the kernel loaded
             raise RuntimeError("bf16 pair panels without the bf16 kernel")
@@ -47,6 +52,10 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if isinstance(weight, PackedWeight):
         return packed.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _amx_takes(x: torch.Tensor, weight: Weight) -> bool:
+    return isinstance(weight, Bf16Panels) and amx_linear.load() is not None and amx_linear.takes(x, weight)
 
 
 def dense(weight: Weight) -> torch.Tensor:

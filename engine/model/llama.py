@@ -17,7 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
-from engine.model import bf16_linear, cpu_kernels, huge_pages, onednn_linear, panel_linear, prefill_attention
+from engine.model import (
+    amx_linear,
+    bf16_linear,
+    cpu_kernels,
+    huge_pages,
+    onednn_linear,
+    panel_linear,
+    prefill_attention,
+)
 from engine.model.bf16_linear import Bf16Panels
 from engine.model.gguf_blocks import PackedBlocks
 from engine.model.linear import Weight, dense, linear
@@ -296,6 +304,7 @@ class LlamaModel:
                 panel_linear.load()
             if self.dtype == torch.bfloat16:
                 bf16_linear.load()
+                amx_linear.load()
 
     def forward(
         self,

@@ -16,7 +16,10 @@ Measured (Xeon with AMX, 2 threads, bf16, SmolLM2's 210 linear layers + LM head 
 (``bf16_linear.py`` then took the row-major weights; its pair panels since are faster, but not measured on AMX.)
 So batches of ``MIN_ROWS`` to ``MAX_ROWS`` rows take the reordered weights, fewer rows keep our kernel (one or two
 decode streams read 2 bytes a weight at the memory's rate), more keep ``F.linear`` (even at 2000 rows); where the
-weight it wraps is pair panels (no dense copy to give ``F.linear``), the reordered weights take those too.
+weight it wraps is pair panels (no dense copy to give ``F.linear``), the reordered weights take those too. Since
+``amx_linear.py`` (our own tile kernel over the pair panels), pair-panel weights take the reordered copy only for
+batches wider than ``amx_linear.MAX_ROWS`` (``linear.linear``): the tile kernel is faster up to about 128 rows, even
+to 512, and gives a row the same bits in any batch.
 
 Cost: the reordered copy is a second copy of the linear weights and the LM head (the one it wraps stays for the other
 row counts); for SmolLM2 in bf16, +257 MiB. Only used where the CPU has AMX-BF16

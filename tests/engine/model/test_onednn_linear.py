@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import bf16_linear, linear, onednn_linear
+from engine.model import amx_linear, bf16_linear, linear, onednn_linear
 from engine.model.bf16_linear import Bf16Panels
 from engine.model.onednn_linear import OneDnnWeight
 from engine.model.packed import PackedWeight
@@ -69,12 +69,15 @@ def test_linear_takes_the_reordered_copy_only_for_its_batch_sizes(monkeypatch: p
     for base in bases:
         w = onednn_linear.reorder(base)
         assert w.base is base and torch.equal(linear.dense(w), dense) and w.shape == dense.shape
-        for rows in (1, onednn_linear.MIN_ROWS - 1, onednn_linear.MIN_ROWS, 64, onednn_linear.MAX_ROWS + 1):
+        rows_tried = (1, onednn_linear.MIN_ROWS - 1, onednn_linear.MIN_ROWS, 64, onednn_linear.MAX_ROWS + 1, 600)
+        for rows in rows_tried:
             x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
             y = linear.linear(x, w)
-            # (over MAX_ROWS too where the base is pair panels: there is no dense copy for F.linear)
+            # (over MAX_ROWS too where the base is pair panels: there is no dense copy for F.linear; but not the
+            # batches the AMX tile kernel takes from pair panels)
             wide = isinstance(base, Bf16Panels)
-            if rows >= onednn_linear.MIN_ROWS and (wide or rows <= onednn_linear.MAX_ROWS):
+            tiles = wide and amx_linear.load() is not None and amx_linear.takes(x, base)
+            if not tiles and rows >= onednn_linear.MIN_ROWS and (wide or rows <= onednn_linear.MAX_ROWS):
                 assert calls.pop() == rows
             else:  # what the wrapped weight gives on its own
                 assert not calls

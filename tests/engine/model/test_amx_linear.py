@@ -1,0 +1,148 @@
+"""The AMX tile matmul over pair panels against float64, its batch invariance (in the kernel and in a bf16 model),
+its coexistence with oneDNN on the same threads, what it takes, and the ``linear`` dispatch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.model import amx_linear, bf16_linear, linear, onednn_linear
+from engine.model_runner import BatchItem, ModelRunner
+from engine.testing import build_tiny_model
+
+needs_amx = pytest.mark.skipif(amx_linear.load() is None, reason="no AMX-BF16 CPU (or no C compiler)")
+
+
+def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(1e-30)))
+    return torch.pow(2.0, exponent - 7)
+
+
+def _kernel() -> object:
+    lib = amx_linear.load()
+    assert lib is not None
+    return lib
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 31, 32, 33, 100, amx_linear.MAX_ROWS])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (64, 7), (1536, 33), (32, 100)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_is_within_one_bf16_ulp_of_float64(
+    rows: int, in_features: int, out_features: int, with_bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(rows * 7 + in_features)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
+    y = amx_linear.linear(_kernel(), x, bf16_linear.to_panels(w), bias)
+    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+    allowed = _ulp_bf16(exact) + 1e-6 * in_features * exact.abs().max()
+    assert bool(((y.double() - exact).abs() <= allowed).all())
+
+
+@needs_amx
+def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
+    lib = _kernel()
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(300, 576, generator=gen).to(torch.bfloat16)
+    w = bf16_linear.to_panels(torch.randn(200, 576, generator=gen).to(torch.bfloat16))
+    batch = amx_linear.linear(lib, x, w)
+    for i in (0, 3, 17, 29, 31, 32, 250, 299):  # (tile rows 0, 3, 1, ..., of both row tiles, the padded tail)
+        for width in (1, 2, 9, 16, 17, 40):
+            part = x[i : i + width]
+            assert torch.equal(amx_linear.linear(lib, part, w)[:1], batch[i : i + 1]), (i, width)
+
+
+@needs_amx
+def test_onednn_on_the_same_threads_leaves_the_results_alone() -> None:
+    # both configure the tile registers of the threads they run on; each call here sets its own
+    lib = _kernel()
+    gen = torch.Generator().manual_seed(5)
+    dense = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
+    panels = bf16_linear.to_panels(dense)
+    x = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    first = [amx_linear.linear(lib, x[:n], panels) for n in (1, 16, 40)]
+    if onednn_linear.available():
+        onednn_linear.linear(x, onednn_linear.reorder(dense))
+    torch.nn.functional.linear(x, dense)
+    assert all(torch.equal(amx_linear.linear(lib, x[:n], panels), y) for n, y in zip((1, 16, 40), first, strict=True))
+
+
+@needs_amx
+def test_non_finite_inputs_stay_non_finite() -> None:
+    x = torch.ones(20, 64, dtype=torch.bfloat16)
+    x[1, 3] = float("nan")
+    x[18, 0] = float("inf")
+    w = bf16_linear.to_panels(torch.ones(20, 64, dtype=torch.bfloat16))
+    for rows in (3, 20):  # (x read in place, and copied into tiles)
+        y = amx_linear.linear(_kernel(), x[:rows], w)
+        assert bool(y[1].isnan().all()) and bool((y[0] == 64).all())
+    assert bool(y[18].isinf().all())
+
+
+def test_takes_bf16_batches_up_to_max_rows_over_widths_of_whole_chunks() -> None:
+    w = bf16_linear.to_panels(torch.zeros(20, 64, dtype=torch.bfloat16))
+    x = torch.zeros(16, 64, dtype=torch.bfloat16)
+    assert amx_linear.takes(x, w) and amx_linear.takes(x[:1], w)
+    assert amx_linear.takes(torch.zeros(amx_linear.MAX_ROWS, 64, dtype=torch.bfloat16), w)
+    assert not amx_linear.takes(torch.zeros(amx_linear.MAX_ROWS + 1, 64, dtype=torch.bfloat16), w)
+    assert not amx_linear.takes(x[:0], w)
+    assert not amx_linear.takes(x.float(), w)
+    assert not amx_linear.takes(x.view(4, 4, 64), w)
+    assert not amx_linear.takes(torch.zeros(2, 32, dtype=torch.bfloat16), w)  # another width
+    narrow = bf16_linear.to_panels(torch.zeros(20, 48, dtype=torch.bfloat16))  # 48: not whole chunks of 32
+    assert not amx_linear.takes(torch.zeros(2, 48, dtype=torch.bfloat16), narrow)
+
+
+@needs_amx
+def test_kernel_refuses_an_input_it_does_not_take() -> None:
+    w = bf16_linear.to_panels(torch.ones(20, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cannot take"):
+        amx_linear.linear(_kernel(), torch.ones(2, 64), w)
+    with pytest.raises(ValueError, match="cannot take a bias"):
+        amx_linear.linear(_kernel(), torch.ones(2, 64, dtype=torch.bfloat16), w, torch.zeros(16))
+
+
+def test_available_needs_amx_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    check = amx_linear.available.__wrapped__
+    monkeypatch.setattr(amx_linear, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert not check()
+    monkeypatch.setattr(amx_linear, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    assert check() == bf16_linear.available()
+
+
+@needs_amx
+def test_linear_sends_pair_panels_to_the_tiles_where_they_take_them() -> None:
+    lib, plain = _kernel(), bf16_linear.load()
+    assert plain is not None
+    gen = torch.Generator().manual_seed(2)
+    for width in (64, 48):  # 48: the pair-panel kernel, for every batch
+        w = bf16_linear.to_panels(torch.randn(40, width, generator=gen).to(torch.bfloat16))
+        reordered = onednn_linear.reorder(w) if onednn_linear.available() else None
+        for rows in (1, 16, 300, amx_linear.MAX_ROWS + 1):
+            x = torch.randn(rows, width, generator=gen).to(torch.bfloat16)
+            tiles = width % amx_linear.CHUNK == 0 and rows <= amx_linear.MAX_ROWS
+            expected = amx_linear.linear(lib, x, w) if tiles else bf16_linear.linear(plain, x, w)
+            assert torch.equal(linear.linear(x, w), expected)
+            if reordered is not None and tiles:  # (the reordered copy only past what the tiles take)
+                assert torch.equal(linear.linear(x, reordered), expected)
+
+
+@needs_amx
+def test_a_bf16_decode_row_gives_the_same_logits_alone_and_in_a_batch(tmp_path: Path) -> None:
+    # the product-level claim: on an AMX CPU a bf16 row's logits do not depend on the batch around it
+    # (head dim 32: a lone bf16 decode row then takes the decode kernel too, not SDPA: paged_attention.attend)
+    folder = build_tiny_model(tmp_path / "llama", "llama", hidden_size=128)
+    runner = ModelRunner(folder, num_blocks=32, block_size=16, device="cpu", dtype="bfloat16")
+    prompts = [list(range(3 + i, 23 + 4 * i)) for i in range(6)]  # 20-40 tokens, 3 blocks each
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(6)]
+    for prompt, table in zip(prompts, tables, strict=True):
+        runner.forward([BatchItem(prompt, 0, table, False)])
+    rows = [BatchItem([7 + i], len(p), t, True) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
+    batch = runner.forward([*rows, BatchItem(list(range(50, 90)), 0, [20, 21, 22], True)])  # and a prefill chunk
+    for i, row in enumerate(rows):
+        assert torch.equal(runner.forward([row]), batch[i : i + 1])
