@@ -264,22 +264,14 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: Bf16Panels, bias: torch.Te
     """``F.linear(x, weight.dense, bias)`` for an input ``takes`` accepts."""
     if not takes(x, weight):
         raise ValueError(f"AMX kernel cannot take {x.dtype} input of shape {tuple(x.shape)} for {tuple(weight.shape)}")
+    return run(lib, x, weight, bias)
+
+
+def run(lib: ctypes.CDLL, x: torch.Tensor, weight: Bf16Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear`` for an input the caller already checked with ``takes`` (``linear.linear``: one check a call)."""
     if bias is not None and bias.shape != (weight.out_features,):
         raise ValueError(f"pair panel weight {tuple(weight.shape)} cannot take a bias of shape {tuple(bias.shape)}")
-    rows, in_features = x.shape
-    y = torch.empty((rows, weight.out_features), dtype=torch.bfloat16)
-    xc = x.contiguous()
-    bf = None if bias is None else bias.to(torch.float32).contiguous()
-    status = lib.kvchat_amx_panels(
-        xc.data_ptr(),
-        rows,
-        in_features,
-        weight.panels.data_ptr(),
-        weight.out_features,
-        None if bf is None else bf.data_ptr(),
-        y.data_ptr(),
-        torch.get_num_threads(),
-    )
-    if status != 0:
+    y, status = bf16_linear.call(lib.kvchat_amx_panels, x, weight, bias)
+    if status not in (0, None):  # (None: no rows, the kernel was not called)
         raise MemoryError("AMX kernel: out of memory for its copy of the input")
     return y

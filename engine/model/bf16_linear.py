@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -191,19 +192,29 @@ def load() -> ctypes.CDLL | None:
 
 def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: Bf16Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight.dense, bias)`` for bf16 CPU ``x`` ``[rows, in]``."""
-    rows, in_features = x.shape
+    _, in_features = x.shape
     if x.dtype != torch.bfloat16 or in_features != 2 * weight.panels.shape[1]:  # (not .shape: a new Size per call)
         raise ValueError(
             f"pair panel weight {tuple(weight.shape)} cannot take {x.dtype} input of shape {tuple(x.shape)}"
         )
     if bias is not None and bias.shape != (weight.out_features,):
         raise ValueError(f"pair panel weight {tuple(weight.shape)} cannot take a bias of shape {tuple(bias.shape)}")
+    return call(lib.kvchat_bf16_panels, x, weight, bias)[0]
+
+
+def call(
+    fn: Callable[..., int | None], x: torch.Tensor, weight: Bf16Panels, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, int | None]:
+    """``x W^T (+ bias)`` into a new bf16 tensor by a pair-panel kernel ``fn`` that takes ``kvchat_bf16_panels``'s
+    arguments (``amx_linear``'s kernel takes the same), with what ``fn`` returned (None for no rows); the caller
+    checked the shapes."""
+    rows, in_features = x.shape
     y = torch.empty((rows, weight.out_features), dtype=torch.bfloat16)
     if rows == 0:
-        return y
+        return y, None
     xc = x.contiguous()
     bf = None if bias is None else bias.to(torch.float32).contiguous()
-    lib.kvchat_bf16_panels(
+    status = fn(
         xc.data_ptr(),
         rows,
         in_features,
@@ -213,4 +224,4 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: Bf16Panels, bias: torch.Te
         y.data_ptr(),
         torch.get_num_threads(),
     )
-    return y
+    return y, status

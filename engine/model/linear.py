@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -31,7 +33,9 @@ Weight = torch.Tensor | PackedWeight | PanelWeight | Bf16Panels | Int8Weight | O
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, OneDnnWeight):
-        if not _amx_takes(x, weight.base) and onednn_linear.takes(x, bias, weight):
+        if isinstance(weight.base, Bf16Panels) and (tiles := _tiles(x, weight.base)) is not None:
+            return amx_linear.run(tiles, x, weight.base, bias)
+        if onednn_linear.takes(x, bias, weight):
             return onednn_linear.linear(x, weight, bias)
         return linear(x, weight.base, bias)
     if isinstance(weight, PanelWeight):
@@ -40,9 +44,9 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
             raise RuntimeError("panel weights without the panel kernel")
         return panel_linear.linear(lib, x, weight, bias)
     if isinstance(weight, Bf16Panels):
-        amx = amx_linear.load()
-        if amx is not None and amx_linear.takes(x, weight):
-            return amx_linear.linear(amx, x, weight, bias)
+        tiles = _tiles(x, weight)
+        if tiles is not None:
+            return amx_linear.run(tiles, x, weight, bias)
         lib = bf16_linear.load()
         if lib is None:  # NOTE: not reached: weights are only made panels where the kernel loaded
             raise RuntimeError("bf16 pair panels without the bf16 kernel")
@@ -54,8 +58,10 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     return F.linear(x, weight, bias)
 
 
-def _amx_takes(x: torch.Tensor, weight: Weight) -> bool:
-    return isinstance(weight, Bf16Panels) and amx_linear.load() is not None and amx_linear.takes(x, weight)
+def _tiles(x: torch.Tensor, weight: Bf16Panels) -> ctypes.CDLL | None:
+    """The AMX kernel where it takes ``x`` for ``weight``, else None."""
+    lib = amx_linear.load()
+    return lib if lib is not None and amx_linear.takes(x, weight) else None
 
 
 def dense(weight: Weight) -> torch.Tensor:

@@ -82,6 +82,7 @@ def test_non_finite_inputs_stay_non_finite() -> None:
         y = amx_linear.linear(_kernel(), x[:rows], w)
         assert bool(y[1].isnan().all()) and bool((y[0] == 64).all())
     assert bool(y[18].isinf().all())
+    assert amx_linear.run(_kernel(), x[:0], w).shape == (0, 20)  # (no rows: the kernel is not called)
 
 
 def test_takes_bf16_batches_up_to_max_rows_over_widths_of_whole_chunks() -> None:
