@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 512
 CHUNK = 32  # inputs per tile multiply: the input width must be a multiple
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -89,19 +90,10 @@ static void configure(int rows) {
     _tile_loadconfig(&c);
 }
 
-/* rows r0 .. r0 + n of y for panel p from an accumulator tile stored at c (16 floats a row): + bias (fp32),
-   rounded to bf16 (nearest even), outputs past O left out */
-static inline void put(const float *c, const int n, const int64_t r0, const int64_t p, const int64_t O,
-                       const float *bias, uint16_t *y) {
-    const int64_t o0 = p * 16, m = O - o0 < 16 ? O - o0 : 16;
-    const __mmask16 mask = (__mmask16)((1u << m) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + o0) : _mm512_setzero_ps();
-    for (int r = 0; r < n; r++) {
-        const __m512 a = _mm512_load_ps(c + 16 * r);
-        const __m256bh h = _mm512_cvtneps_pbh(bias ? _mm512_add_ps(a, b) : a);
-        _mm256_mask_storeu_epi16(y + (r0 + r) * O + o0, mask, (__m256i)h);
-    }
-}
+"""
+    + bf16_linear.PUT_SOURCE
+    + r"""
+/* (put() above reads a stored accumulator tile, 16 floats a row, 64-byte aligned, as its rows of 16-lane vectors) */
 
 /* up to 16 rows, x read in place: panels [lo, hi), four at a time */
 static void few_rows(const uint16_t *x, const int R, const int64_t K, const uint16_t *panels, const int64_t lo,
@@ -128,7 +120,7 @@ static void few_rows(const uint16_t *x, const int R, const int64_t K, const uint
         }
         _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
         _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
-        for (int j = 0; j < 4; j++) put(acc[j], R, 0, p + j, O, bias, y);
+        for (int j = 0; j < 4; j++) put((const __m512 *)acc[j], R, 0, p + j, O, bias, y);
     }
     for (; p < hi; p++) {
         const uint16_t *w = panels + p * ps;
@@ -139,7 +131,7 @@ static void few_rows(const uint16_t *x, const int R, const int64_t K, const uint
             _tile_dpbf16ps(0, 4, 6);
         }
         _tile_stored(0, acc[0], 64);
-        put(acc[0], R, 0, p, O, bias, y);
+        put((const __m512 *)acc[0], R, 0, p, O, bias, y);
     }
 }
 
@@ -172,10 +164,10 @@ static void many_rows(const uint16_t *xb, const int64_t R, const int64_t K, cons
                 _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
                 const int64_t left = R - r0;
                 const int n0 = left < 16 ? (int)left : 16, n1 = left <= 16 ? 0 : (left < 32 ? (int)left - 16 : 16);
-                put(acc[0], n0, r0, p, O, bias, y);
-                if (two) put(acc[1], n0, r0, p + 1, O, bias, y);
-                if (n1) put(acc[2], n1, r0 + 16, p, O, bias, y);
-                if (n1 && two) put(acc[3], n1, r0 + 16, p + 1, O, bias, y);
+                put((const __m512 *)acc[0], n0, r0, p, O, bias, y);
+                if (two) put((const __m512 *)acc[1], n0, r0, p + 1, O, bias, y);
+                if (n1) put((const __m512 *)acc[2], n1, r0 + 16, p, O, bias, y);
+                if (n1 && two) put((const __m512 *)acc[3], n1, r0 + 16, p + 1, O, bias, y);
             }
         }
 }
@@ -216,6 +208,7 @@ int kvchat_amx_panels(const uint16_t *x, int64_t R, int64_t K, const uint16_t *p
     return 0;
 }
 """
+)
 
 
 @functools.cache

@@ -43,6 +43,21 @@ from engine.model.cpu_kernels import C_PRELUDE, open_library
 
 PANEL = 16  # outputs per panel
 
+# Output rows of a panel from fp32 accumulators (also amx_linear.py's, over its stored accumulator tiles)
+PUT_SOURCE = r"""
+/* rows r0 .. r0 + rt of y for panel p: + bias (fp32), rounded to bf16 (nearest even), outputs past O left out */
+static inline void put(const __m512 *acc, const int rt, const int64_t r0, const int64_t p, const int64_t O,
+                       const float *bias, uint16_t *y) {
+    const int64_t o0 = p * 16, n = O - o0 < 16 ? O - o0 : 16;
+    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + o0) : _mm512_setzero_ps();
+    for (int r = 0; r < rt; r++) {
+        const __m256bh h = _mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[r], b) : acc[r]);
+        _mm256_mask_storeu_epi16(y + (r0 + r) * O + o0, mask, (__m256i)h);
+    }
+}
+"""
+
 _SOURCE = (
     C_PRELUDE
     + r"""
@@ -77,17 +92,9 @@ TILE(4)
 TILE(2)
 TILE(1)
 
-/* rows r0 .. r0 + rt of y for panel p: + bias (fp32), rounded to bf16 (nearest even), outputs past O left out */
-static inline void put(const __m512 *acc, const int rt, const int64_t r0, const int64_t p, const int64_t O,
-                       const float *bias, uint16_t *y) {
-    const int64_t o0 = p * 16, n = O - o0 < 16 ? O - o0 : 16;
-    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + o0) : _mm512_setzero_ps();
-    for (int r = 0; r < rt; r++) {
-        const __m256bh h = _mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[r], b) : acc[r]);
-        _mm256_mask_storeu_epi16(y + (r0 + r) * O + o0, mask, (__m256i)h);
-    }
-}
+"""
+    + PUT_SOURCE
+    + r"""
 
 /* y[R][O] = x[R][K] . W^T (+ bias) with W as pair panels [ceil(O / 16)][K / 2][16][2]; K even. Threads split the
    panels (contiguous runs, so each knows its next one to prefetch), row tiles share each panel's lines. */
