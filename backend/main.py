@@ -13,6 +13,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, RedirectResponse
 
+from backend.api import boundary
 from backend.api.routes import admin_sessions, chat_ws, health, openai_api
 from backend.chat.hub import SessionHub
 from backend.chat.service import ChatService, ReplyConfig
@@ -66,6 +67,7 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
             await db_engine.dispose()
 
     app = FastAPI(title="kvchat", version="0.1.0", lifespan=lifespan)
+    boundary.install(app, settings.max_request_bytes)
     app.include_router(health.router)
     app.include_router(chat_ws.router)
     app.include_router(admin_sessions.router)

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from dataclasses import dataclass
 
 from fastapi import WebSocket
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from backend.chat.hub import ConnectionKey
 from backend.chat.protocol import (
-    CLIENT_FRAME,
     Cancel,
     CloseCode,
     ErrorFrame,
@@ -26,6 +26,7 @@ from backend.chat.protocol import (
     Pong,
     ServerFrame,
     UserMessage,
+    parse_client_frame,
 )
 from backend.chat.rate_limit import TokenBucket
 from backend.chat.service import ChatService
@@ -45,6 +46,8 @@ class ConnectionLimits:
     rate_per_s: float = 5.0
     burst: int = 10
     max_connections_per_tenant: int = 200
+    max_connections_per_client: int = 20
+    max_queued_frames: int = 1024
     hello_timeout_s: float = 10.0
     allowed_origins: tuple[str, ...] = ("*",)
 
@@ -61,13 +64,20 @@ class ChatConnection:
         self.ws = ws
         self.service = service
         self.limits = limits
-        self.outbox: asyncio.Queue[ServerFrame | object] = asyncio.Queue()
+        # NOTE: bounded: a client that stops reading fills it, and is then closed instead of growing our memory.
+        self.outbox: asyncio.Queue[ServerFrame | object] = asyncio.Queue(maxsize=limits.max_queued_frames)
+        self.too_slow = asyncio.Event()
         self.bucket = TokenBucket(limits.rate_per_s, limits.burst)
         self.tenant: Tenant | None = None
         self.session_id: str | None = None
 
     def send(self, frame: ServerFrame) -> None:
-        self.outbox.put_nowait(frame)
+        if self.too_slow.is_set():
+            return
+        try:
+            self.outbox.put_nowait(frame)
+        except asyncio.QueueFull:
+            self.too_slow.set()
 
     async def serve(self) -> None:
         if not self._origin_allowed():
@@ -77,13 +87,17 @@ class ChatConnection:
         await self.ws.accept()
         writer = asyncio.create_task(self._write_loop(), name="ws-writer")
         token: int | None = None
-        counted = False
+        client: ConnectionKey | None = None
         try:
             hello = await self._read_hello()
             self.tenant = await self._authenticate(hello)
-            counted = self.service.hub.try_connect(self.tenant.id, self.limits.max_connections_per_tenant)
-            if not counted:
-                raise _Closed(CloseCode.TRY_AGAIN_LATER, "too many connections for this tenant")
+            client = ConnectionKey(self.tenant.id, hello.external_ref or self._client_address())
+            refusal = self.service.hub.try_connect(
+                client, self.limits.max_connections_per_tenant, self.limits.max_connections_per_client
+            )
+            if refusal is not None:
+                client = None
+                raise _Closed(CloseCode.TRY_AGAIN_LATER, refusal)
             try:
                 welcome = await self.service.open(self.tenant, hello)
             except SessionNotFoundError as exc:
@@ -91,19 +105,39 @@ class ChatConnection:
             self.session_id = welcome.session_id
             token = self.service.hub.subscribe(welcome.session_id, self.send)
             self.send(welcome)
-            await self._read_loop()
+            await self._read_until_closed()
         except _Closed as closed:
             await self._drain_and_close(writer, closed.code, closed.reason)
         except WebSocketDisconnect:
             pass
+        except Exception:
+            # NOTE: a bug must cost this socket a clean 1011, never a 1006 drop without a close frame.
+            log.exception("chat socket failed")
+            await self._drain_and_close(writer, CloseCode.INTERNAL, "internal error")
         finally:
             if token is not None and self.session_id is not None:
                 self.service.hub.unsubscribe(self.session_id, token)
-            if counted and self.tenant is not None:
-                self.service.hub.disconnect(self.tenant.id)
+            if client is not None:
+                self.service.hub.disconnect(client)
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
+
+    async def _read_until_closed(self) -> None:
+        """Read frames until the client leaves, or until it has stopped reading ours for too long."""
+        reader = asyncio.create_task(self._read_loop(), name="ws-reader")
+        slow = asyncio.create_task(self.too_slow.wait(), name="ws-too-slow")
+        try:
+            await asyncio.wait({reader, slow}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (reader, slow):
+                task.cancel()
+        if reader.done() and not reader.cancelled():
+            reader.result()  # re-raises _Closed / WebSocketDisconnect
+            return
+        raise _Closed(
+            CloseCode.POLICY, f"the client is not reading its frames ({self.limits.max_queued_frames} queued)"
+        )
 
     # ---------------------------------------------------------------- reading
 
@@ -127,7 +161,12 @@ class ChatConnection:
             data = await asyncio.wait_for(self._receive_text(), self.limits.hello_timeout_s)
         except TimeoutError as exc:
             raise _Closed(CloseCode.UNAUTHORIZED, "no hello received") from exc
-        frame = self._parse(data)
+        frame = parse_client_frame(data) if data else None
+        if isinstance(frame, ErrorFrame):
+            self.send(frame)  # the error frame says what was wrong; the close reason repeats it
+            if frame.message.startswith("hello:"):
+                raise _Closed(CloseCode.UNAUTHORIZED, frame.message)  # a hello that names its bad field
+            raise _Closed(CloseCode.UNAUTHORIZED, f"the first frame must be hello ({frame.message})")
         if not isinstance(frame, Hello):
             raise _Closed(CloseCode.UNAUTHORIZED, "the first frame must be hello")
         return frame
@@ -142,22 +181,11 @@ class ChatConnection:
     def _parse(self, data: str) -> Hello | UserMessage | Cancel | Ping | None:
         if not data:
             return None
-        try:
-            raw = json.loads(data)
-        except json.JSONDecodeError as exc:
-            self.send(ErrorFrame(code="bad_json", message=f"frame is not valid JSON: {exc.msg}"))
+        frame = parse_client_frame(data)
+        if isinstance(frame, ErrorFrame):
+            self.send(frame)
             return None
-        if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
-            self.send(ErrorFrame(code="invalid_frame", message="a frame must be a JSON object with a string 'type'"))
-            return None
-        try:
-            return CLIENT_FRAME.validate_python(raw)
-        except ValidationError as exc:
-            code = "unknown_type" if raw["type"] not in _KNOWN else "invalid_frame"
-            detail = exc.errors()[0]
-            loc = ".".join(str(p) for p in detail["loc"][1:]) or raw["type"]
-            self.send(ErrorFrame(code=code, message=f"{loc}: {detail['msg']}"))
-            return None
+        return frame
 
     async def _read_loop(self) -> None:
         while True:
@@ -192,6 +220,18 @@ class ChatConnection:
             except (BackendError, EngineError) as exc:
                 code = getattr(exc, "code", "error")
                 self.send(ErrorFrame(code=code, message=str(exc), client_msg_id=frame.client_msg_id))
+            except (SQLAlchemyError, OSError):
+                # NOTE: the database went away mid-frame (a restart, a failover): the socket stays, the client retries
+                # with the same client_msg_id, which is idempotent.
+                log.warning("a user.message failed on the database; the client was asked to retry", exc_info=True)
+                self.send(
+                    ErrorFrame(
+                        code="unavailable",
+                        message="the message could not be stored; retry it",
+                        retry_after_ms=1000,
+                        client_msg_id=frame.client_msg_id,
+                    )
+                )
 
     # ---------------------------------------------------------------- writing / closing
 
@@ -204,12 +244,20 @@ class ChatConnection:
                 await self.ws.send_text(frame.model_dump_json())
 
     async def _drain_and_close(self, writer: asyncio.Task[None], code: int, reason: str) -> None:
-        self.outbox.put_nowait(_CLOSE)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(writer, 2.0)
+        """Send what is queued (briefly), then the close frame; a client that does not read gets no more time."""
+        if not self.too_slow.is_set():
+            with contextlib.suppress(asyncio.QueueFull):
+                self.outbox.put_nowait(_CLOSE)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer, _DRAIN_TIMEOUT_S)
+        writer.cancel()
         if self.ws.client_state != WebSocketState.DISCONNECTED:
-            with contextlib.suppress(RuntimeError):
-                await self.ws.close(code, reason[:120])
+            # NOTE: the close frame waits for the socket to be writable; a stalled client must not hold us here.
+            with contextlib.suppress(RuntimeError, TimeoutError, OSError):
+                await asyncio.wait_for(self.ws.close(code, _close_reason(reason)), _DRAIN_TIMEOUT_S)
+
+    def _client_address(self) -> str:
+        return self.ws.client.host if self.ws.client is not None else "unknown"
 
     def _origin_allowed(self) -> bool:
         allowed = self.limits.allowed_origins
@@ -219,4 +267,9 @@ class ChatConnection:
         return origin is None or origin in allowed
 
 
-_KNOWN = {"hello", "user.message", "cancel", "ping"}
+_DRAIN_TIMEOUT_S = 2.0
+
+
+def _close_reason(reason: str) -> str:
+    """A close reason fits in 123 bytes of UTF-8 (the frame's limit), cut on a character boundary."""
+    return reason.encode()[:120].decode(errors="ignore")

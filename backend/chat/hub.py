@@ -1,4 +1,5 @@
-"""Who listens to which session: every open socket subscribes to its session's frames; counts sockets per tenant.
+"""Who listens to which session: every open socket subscribes to its session's frames; counts sockets per tenant
+and per client (a customer ref, else an IP address), so one customer cannot take a whole tenant's sockets.
 
 A turn publishes its frames to the session, not to the socket that asked, so a customer who reconnects (or opens the
 chat twice) sees the reply continue in every open window.
@@ -8,16 +9,26 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from backend.chat.protocol import ServerFrame
 
 Send = Callable[[ServerFrame], None]
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectionKey:
+    """Whose socket this is: the tenant, and the client within it (customer ref or IP address)."""
+
+    tenant_id: str
+    client: str
+
+
 class SessionHub:
     def __init__(self) -> None:
         self._subscribers: dict[str, dict[int, Send]] = defaultdict(dict)
         self._tenant_connections: dict[str, int] = defaultdict(int)
+        self._client_connections: dict[ConnectionKey, int] = defaultdict(int)
         self._next_token = 0
 
     def subscribe(self, session_id: str, send: Send) -> int:
@@ -39,14 +50,21 @@ class SessionHub:
     def subscriber_count(self, session_id: str) -> int:
         return len(self._subscribers.get(session_id, {}))
 
-    def try_connect(self, tenant_id: str, cap: int) -> bool:
-        if self._tenant_connections[tenant_id] >= cap:
-            return False
-        self._tenant_connections[tenant_id] += 1
-        return True
+    def try_connect(self, key: ConnectionKey, tenant_cap: int, client_cap: int) -> str | None:
+        """Count a new socket, or return why it is refused (the caller closes it with 1013)."""
+        if self._tenant_connections[key.tenant_id] >= tenant_cap:
+            return f"too many connections for this tenant (limit {tenant_cap})"
+        if self._client_connections[key] >= client_cap:
+            return f"too many connections for this client (limit {client_cap})"
+        self._tenant_connections[key.tenant_id] += 1
+        self._client_connections[key] += 1
+        return None
 
-    def disconnect(self, tenant_id: str) -> None:
-        self._tenant_connections[tenant_id] = max(0, self._tenant_connections[tenant_id] - 1)
+    def disconnect(self, key: ConnectionKey) -> None:
+        self._tenant_connections[key.tenant_id] = max(0, self._tenant_connections[key.tenant_id] - 1)
+        left = self._client_connections.pop(key, 0) - 1
+        if left > 0:
+            self._client_connections[key] = left  # NOTE: zero counts are dropped, so the map holds live clients only
 
     def connections(self, tenant_id: str) -> int:
         return self._tenant_connections[tenant_id]

@@ -11,11 +11,15 @@ Close codes (named here, used by the connection handler): 1008 policy (Origin no
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from enum import IntEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from backend.core.errors import error_location, error_problem
+from backend.core.limits import ExternalRef, Identifier, SafeText, Seq, SessionId, json_too_deep, text_problem
 
 
 class CloseCode(IntEnum):
@@ -36,41 +40,45 @@ class _Frame(BaseModel):
 # ---------------------------------------------------------------- client → server
 
 
-class Hello(_Frame):
+class _ClientFrame(_Frame):
+    # NOTE: strict: "5" is not a seq and "yes" is not a flag; a client that sends them has a bug worth hearing about.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Hello(_ClientFrame):
     type: Literal["hello"]
-    token: str = Field(min_length=1, max_length=512)
-    session_id: str | None = Field(default=None, max_length=64)
-    last_seq: int = Field(default=0, ge=0, le=2**31 - 1)  # seq is a 32-bit column
-    external_ref: str | None = Field(default=None, max_length=200)
+    token: Annotated[SafeText, Field(min_length=1, max_length=512)]
+    session_id: SessionId | None = None
+    last_seq: Seq = 0
+    external_ref: ExternalRef | None = None
 
 
-class UserMessage(_Frame):
+class UserMessage(_ClientFrame):
     type: Literal["user.message"]
-    client_msg_id: str = Field(min_length=1, max_length=100)
-    text: str = Field(min_length=1)
+    client_msg_id: Identifier
+    text: Annotated[SafeText, Field(min_length=1)]
 
     @field_validator("text")
     @classmethod
-    def _printable(cls, value: str) -> str:
-        if "\x00" in value:
-            raise ValueError("text must not contain NUL characters")
+    def _not_blank(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("text must not be blank")
         return value
 
 
-class Cancel(_Frame):
+class Cancel(_ClientFrame):
     type: Literal["cancel"]
-    client_msg_id: str | None = Field(default=None, max_length=100)
+    client_msg_id: Identifier | None = None
 
 
-class Ping(_Frame):
+class Ping(_ClientFrame):
     type: Literal["ping"]
-    nonce: str | None = Field(default=None, max_length=100)
+    nonce: Annotated[SafeText, Field(max_length=100)] | None = None
 
 
 ClientFrame = Annotated[Hello | UserMessage | Cancel | Ping, Field(discriminator="type")]
 CLIENT_FRAME: TypeAdapter[Hello | UserMessage | Cancel | Ping] = TypeAdapter(ClientFrame)
+CLIENT_FRAME_TYPES = frozenset({"hello", "user.message", "cancel", "ping"})
 
 
 # ---------------------------------------------------------------- server → client
@@ -98,6 +106,8 @@ class Welcome(_Frame):
     messages: list[MessageOut]
     last_seq: int
     in_flight: InFlight | None = None
+    # seqs of the user messages in ``messages`` whose reply was cut off (a crash, a shutdown): stored incomplete
+    cut_off: list[int] = Field(default_factory=list)
 
 
 class MessageAck(_Frame):
@@ -151,3 +161,31 @@ class Pong(_Frame):
 
 
 ServerFrame = Welcome | MessageAck | MessageDelta | MessageCompleted | SessionStatusFrame | ErrorFrame | Pong
+
+
+def parse_client_frame(text: str) -> Hello | UserMessage | Cancel | Ping | ErrorFrame:
+    """One client frame, or the ``ErrorFrame`` that refuses it (codes ``bad_json``, ``unknown_type``,
+    ``invalid_frame``). Never raises: whatever a client sends, the socket answers and stays open."""
+    if json_too_deep(text):
+        return ErrorFrame(code="bad_json", message="frame is nested too deeply")
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        return ErrorFrame(code="bad_json", message=f"frame is not valid JSON: {getattr(exc, 'msg', 'unreadable')}")
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+        return ErrorFrame(code="invalid_frame", message="a frame must be a JSON object with a string 'type'")
+    kind: str = raw["type"]
+    if kind not in CLIENT_FRAME_TYPES:
+        shown = kind[:40] if text_problem(kind) is None else "(unprintable)"
+        return ErrorFrame(code="unknown_type", message=f"unknown frame type {shown!r}")
+    try:
+        return CLIENT_FRAME.validate_python(raw)
+    except ValidationError as exc:
+        return ErrorFrame(code="invalid_frame", message=describe_validation_error(exc, kind))
+
+
+def describe_validation_error(exc: ValidationError, kind: str) -> str:
+    """``"<frame type>: <field>: <problem>"`` for the first problem (never echoes the offending value)."""
+    detail = exc.errors(include_input=False, include_url=False)[0]
+    loc = error_location(detail["loc"][1:])
+    return f"{kind}: {loc}: {error_problem(detail)}" if loc else f"{kind}: {error_problem(detail)}"

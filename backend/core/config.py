@@ -55,6 +55,8 @@ class Settings(BaseSettings):
     ws_rate_per_second: float = Field(default=5.0, gt=0)
     ws_rate_burst: int = Field(default=10, ge=1)
     max_connections_per_tenant: int = Field(default=200, ge=1)
+    max_connections_per_client: int = Field(default=20, ge=1)  # per customer ref, else per IP address
+    max_request_bytes: int = Field(default=1024 * 1024, ge=1024)  # REST bodies; larger ones get a 413
     allowed_origins: list[str] = ["*"]
     # First start: the default tenant's keys. Unset → generated and printed once.
     bootstrap_chat_token: str | None = None

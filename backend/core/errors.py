@@ -2,7 +2,9 @@
 
     BackendError                   code               HTTP   websocket
     ├── SessionNotFoundError       session_not_found  404    close 4404 (on hello) / error frame
-    └── SessionClosedError         session_closed     409    error frame
+    ├── SessionClosedError         session_closed     409    error frame
+    ├── MessageTooLongError        message_too_long   413    error frame (before the ack: nothing is stored)
+    └── ShuttingDownError          shutting_down      503    error frame (the server is draining; retry later)
 
 Authentication failures are answered at the boundary itself (401 / close 4401). Engine errors (``engine.errors``)
 are mapped by ``engine_error_code`` below: busy → ``busy`` (websocket error frame with ``retry_after_ms``; HTTP 503 +
@@ -12,7 +14,21 @@ Retry-After), prompt too long → ``prompt_too_long``, invalid params → ``inva
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 from engine.errors import EngineBusy, EngineError, EngineStopped, InvalidRequestError, PromptTooLongError
+
+# The stable ``code`` of an HTTP error that carries none of its own (both error shapes use it).
+HTTP_STATUS_CODES = {
+    400: "invalid_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    422: "invalid_request",
+}
 
 
 class BackendError(Exception):
@@ -30,6 +46,23 @@ class SessionClosedError(BackendError):
     status = 409
 
 
+class MessageTooLongError(BackendError):
+    """The message could never be answered: with the system prompt and a reply it exceeds the model's budget."""
+
+    code = "message_too_long"
+    status = 413
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        self.tokens = tokens
+        self.limit = limit
+        super().__init__(f"message too long: {tokens} tokens with the system prompt; the limit is {limit} tokens")
+
+
+class ShuttingDownError(BackendError):
+    code = "shutting_down"
+    status = 503
+
+
 def engine_error_code(exc: EngineError) -> str:
     if isinstance(exc, EngineBusy):
         return "busy"
@@ -40,3 +73,21 @@ def engine_error_code(exc: EngineError) -> str:
     if isinstance(exc, EngineStopped):
         return "unavailable"
     return "engine_error"
+
+
+def error_location(loc: Iterable[object]) -> str:
+    """A pydantic error location as a client reads it: ``messages.0.content``.
+
+    NOTE: pydantic names the member of a union it tried (``str``, ``function-after[...]``, ``list[...]``); those
+    tags mean nothing to a client, and neither does ``body``, so they are dropped.
+    """
+    parts = [str(p) for p in loc]
+    return ".".join(p for p in parts if p != "body" and "[" not in p and p not in _UNION_TAGS)
+
+
+def error_problem(detail: Mapping[str, Any]) -> str:
+    """A pydantic error's message without pydantic's ``"Value error, "`` prefix (our validators' own words)."""
+    return str(detail.get("msg", "invalid value")).removeprefix("Value error, ")
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "constrained-str"})

@@ -1,11 +1,14 @@
 """Errors of the ``/v1`` API in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
-Mapped once, here, for the ``/v1`` routes only (their router uses ``OpenAIRoute``); every other route keeps FastAPI's
-``{"detail": ...}`` shape.
+Mapped once, here, for the ``/v1`` routes (their router uses ``OpenAIRoute``; errors raised before routing, such as an
+unknown path or an oversized body, get the same shape from ``backend/api/boundary.py``).
 
     condition                                   HTTP  type                    code
     missing / invalid API key                   401   invalid_request_error   invalid_api_key
     malformed body, out-of-range parameter      400   invalid_request_error   invalid_request (param named)
+    undecodable body, JSON nested too deeply    400   invalid_request_error   invalid_request
+    body over KVCHAT_MAX_REQUEST_BYTES          413   invalid_request_error   request_too_large
+    unknown /v1 path                            404   invalid_request_error   not_found
     parameter kvchat does not support           400   invalid_request_error   unsupported_parameter
     empty prompt                                400   invalid_request_error   empty_prompt
     prompt + max_tokens over the context        400   invalid_request_error   context_length_exceeded
@@ -25,7 +28,9 @@ from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from backend.core.errors import HTTP_STATUS_CODES, error_location, error_problem
 from backend.openai.schemas import ErrorBody, ErrorResponse
 from engine.errors import (
     EmptyPromptError,
@@ -116,15 +121,15 @@ def from_validation_error(exc: RequestValidationError) -> OpenAIError:
     if not errors:
         return OpenAIError(400, "invalid request body", "invalid_request")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg", "invalid request"))
+    param = error_location(first.get("loc", ())) or None
+    message = f"{param}: {error_problem(first)}" if param else error_problem(first)
     return OpenAIError(400, message, "invalid_request", param=param)
 
 
-def from_http_exception(exc: HTTPException) -> OpenAIError:
+def from_http_exception(exc: StarletteHTTPException) -> OpenAIError:
     typ = SERVER_ERROR if exc.status_code >= 500 else INVALID_REQUEST
-    return OpenAIError(exc.status_code, str(exc.detail), "http_" + str(exc.status_code), error_type=typ)
+    code = HTTP_STATUS_CODES.get(exc.status_code, f"http_{exc.status_code}")
+    return OpenAIError(exc.status_code, str(exc.detail), code, error_type=typ)
 
 
 class OpenAIRoute(APIRoute):

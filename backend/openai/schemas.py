@@ -2,6 +2,8 @@
 
 Requests ignore fields they do not know (clients send vendor extras); fields kvchat knows but cannot honour
 (``n > 1``, ``logprobs``, tools, penalties, ...) are rejected by the service with a 400 that names the parameter.
+Request fields are strict (``"5"`` is not a number, ``"yes"`` not a boolean) and their strings storable text
+(``backend/core/limits.py``).
 """
 
 from __future__ import annotations
@@ -10,48 +12,55 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from backend.core.limits import SafeText
+
+# NOTE: strict parsing of what clients send; the response models below are ours and stay lax.
+_STRICT = ConfigDict(strict=True)
+
 
 class TextPart(BaseModel):
+    model_config = _STRICT
+
     type: Literal["text"]
-    text: str
+    text: SafeText
 
 
 class ContentPart(BaseModel):
     """Any content part; only ``text`` ones are accepted (checked by the service, which names the offender)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    type: str
-    text: str | None = None
+    type: SafeText
+    text: SafeText | None = None
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     # NOTE: "developer" is OpenAI's newer name for "system"; "tool"/"function" are parsed so the 400 can say why.
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: SafeText | list[ContentPart] | None = None
+    name: SafeText | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
 
 
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    model: str
+    model: SafeText
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0)
-    stop: str | list[str] | None = None
+    stop: SafeText | list[SafeText] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1)
@@ -61,10 +70,10 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: SafeText | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
-    user: str | None = None
+    user: SafeText | None = None
     # vLLM's extensions
     top_k: int | None = Field(default=None, ge=-1)
     min_tokens: int = Field(default=0, ge=0)

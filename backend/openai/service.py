@@ -169,11 +169,13 @@ class ChatCompletions:
         self.keepalive_s = keepalive_s
         self.disconnect_poll_s = disconnect_poll_s
 
-    def start(self, req: s.ChatCompletionRequest, namespace: str) -> tuple[_Pending, _Meta]:
+    async def start(self, req: s.ChatCompletionRequest, namespace: str) -> tuple[_Pending, _Meta]:
         """Validate, tokenize and submit. Raises ``OpenAIError`` / ``EngineError`` before any byte is sent."""
         check_model(self.engine, req.model)
         check_supported(req)
-        token_ids = self.engine.tokenize(chat_messages(req.messages))
+        # NOTE: off the event loop: a long prompt takes milliseconds to render and encode, and the loop serves
+        # every socket and probe of the process meanwhile.
+        token_ids = await asyncio.to_thread(self.engine.tokenize, chat_messages(req.messages))
         params = sampling_params(req, len(token_ids), self.engine.info)
         meta = _Meta(
             id=f"chatcmpl-{uuid.uuid4().hex}",

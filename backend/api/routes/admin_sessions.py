@@ -5,18 +5,20 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, HTTPException, Query, Response, status
+from fastapi import APIRouter, Path, Query, Response, status
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from backend.api.deps import AdminDep, DbDep, StateDep
 from backend.chat.protocol import MessageOut
 from backend.chat.service import message_out
-from backend.core.errors import SessionNotFoundError
+from backend.core.limits import QueryOffset, SessionId
 from backend.db.models import ChatSession, SessionStatus
 from backend.services import sessions as store
 
 router = APIRouter(prefix="/admin/sessions", tags=["admin: sessions"])
+
+SessionIdPath = Annotated[SessionId, Path(description="the session's id")]
 
 
 class SessionOut(BaseModel):
@@ -51,10 +53,7 @@ class StatusChange(BaseModel):
 
 
 async def _session(db: DbDep, tenant_id: str, session_id: str) -> ChatSession:
-    try:
-        return await store.get_session(db, tenant_id, session_id)
-    except SessionNotFoundError as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    return await store.get_session(db, tenant_id, session_id)  # SessionNotFoundError: a 404 (api/boundary.py)
 
 
 @router.get("", response_model=list[SessionOut])
@@ -63,19 +62,19 @@ async def list_sessions(
     db: DbDep,
     status_filter: Annotated[SessionStatus | None, Query(alias="status")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[QueryOffset, Query()] = 0,
 ) -> list[SessionOut]:
     return [SessionOut.of(s) for s in await store.list_sessions(db, tenant.id, status_filter, limit, offset)]
 
 
 @router.get("/{session_id}", response_model=SessionOut)
-async def get_session(session_id: str, tenant: AdminDep, db: DbDep) -> SessionOut:
+async def get_session(session_id: SessionIdPath, tenant: AdminDep, db: DbDep) -> SessionOut:
     return SessionOut.of(await _session(db, tenant.id, session_id))
 
 
 @router.post("/{session_id}/status", response_model=SessionOut)
 async def change_status(
-    session_id: str, body: StatusChange, tenant: AdminDep, db: DbDep, state: StateDep
+    session_id: SessionIdPath, body: StatusChange, tenant: AdminDep, db: DbDep, state: StateDep
 ) -> SessionOut:
     """Set a session's status (e.g. ``resolved``, ``closed``); closing releases the session's engine cache."""
     session = await _session(db, tenant.id, session_id)
@@ -85,7 +84,7 @@ async def change_status(
 
 
 @router.delete("/{session_id}", status_code=status.HTTP_204_NO_CONTENT)
-async def delete_session(session_id: str, tenant: AdminDep, db: DbDep, state: StateDep) -> Response:
+async def delete_session(session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep) -> Response:
     await _session(db, tenant.id, session_id)
     state.chat.cancel(session_id, None)
     await store.delete_session(db, tenant.id, session_id)
@@ -95,7 +94,7 @@ async def delete_session(session_id: str, tenant: AdminDep, db: DbDep, state: St
 
 @router.get("/{session_id}/transcript", response_model=None)
 async def transcript(
-    session_id: str,
+    session_id: SessionIdPath,
     tenant: AdminDep,
     db: DbDep,
     fmt: Annotated[Literal["json", "text"], Query(alias="format")] = "json",

@@ -19,6 +19,7 @@ async def chat_socket(ws: WebSocket) -> None:
         rate_per_s=s.ws_rate_per_second,
         burst=s.ws_rate_burst,
         max_connections_per_tenant=s.max_connections_per_tenant,
+        max_connections_per_client=s.max_connections_per_client,
         allowed_origins=tuple(s.allowed_origins),
     )
     await ChatConnection(ws, state.chat, limits).serve()

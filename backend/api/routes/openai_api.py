@@ -50,7 +50,7 @@ async def chat_completions(
     body: ChatCompletionRequest, tenant: ChatTenantDep, state: StateDep, request: Request
 ) -> ChatCompletion | StreamingResponse:
     completions = service.ChatCompletions(state.engine)
-    pending, meta = completions.start(body, namespace=tenant.id)
+    pending, meta = await completions.start(body, namespace=tenant.id)
     if body.stream:
         return completions.stream(pending, meta)
     return await completions.complete(pending, meta, request.is_disconnected)

@@ -245,7 +245,7 @@ async def test_transcript_export_json_and_text(live_server: LiveServer) -> None:
     assert "user: Do you ship abroad?" in as_text.text
     assert unauthorized.status_code == 401
     assert missing.status_code == 404
-    assert missing.json() == {"detail": "session nope not found"}
+    assert missing.json() == {"detail": "session nope not found", "code": "session_not_found"}
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)

@@ -249,7 +249,7 @@ async def test_a_prompt_over_the_context_is_a_400_with_the_token_counts(
     assert f"maximum context length is {limit} tokens" in error["message"]
     assert f"({prompt_tokens} in the messages, {limit} in the completion)" in error["message"]
     assert other_route.status_code == 401
-    assert other_route.json() == {"detail": "a valid admin API key is required"}  # other routes keep FastAPI's shape
+    assert other_route.json() == {"detail": "a valid admin API key is required", "code": "unauthorized"}
 
 
 async def test_stop_strings_cut_the_reply_and_finish_with_stop(client: AsyncOpenAI, tiny_engine: LLMEngine) -> None:

@@ -1,0 +1,188 @@
+"""The HTTP boundary: every error leaves in a stable JSON shape, and no body can stall the event loop.
+
+Two shapes, chosen by path:
+
+    /v1/...        OpenAI's  {"error": {"message", "type", "param", "code"}}   (backend/openai/errors.py)
+    anything else  kvchat's  {"detail": <message>, "code": <stable code>}
+
+    condition                               status  code
+    body over KVCHAT_MAX_REQUEST_BYTES      413     request_too_large
+    JSON nested deeper than MAX_JSON_DEPTH  400     invalid_request
+    undecodable or invalid body / params    400/422 invalid_request   (/v1: 400; elsewhere FastAPI's 422)
+    unknown path                            404     not_found
+    method not allowed                      405     method_not_allowed
+    a BackendError (backend/core/errors.py) its status    its code (e.g. 404 session_not_found)
+    any other HTTPException                 its own http_<status>
+    an unexpected exception                 500     internal_error    (logged once, with its traceback)
+
+``BodyGuard`` is raw ASGI middleware: it refuses an oversized body from its ``Content-Length`` before reading a byte,
+stops reading a chunked one at the cap, and checks JSON nesting before any parser recurses into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from backend.core.errors import HTTP_STATUS_CODES, BackendError, error_location, error_problem
+from backend.core.limits import MAX_JSON_DEPTH, json_too_deep
+from backend.openai.errors import SERVER_ERROR, OpenAIError, from_http_exception, from_validation_error
+
+# NOTE: bodies up to this size are checked for nesting on the loop (microseconds); larger ones in a thread.
+_INLINE_CHECK_BYTES = 64 * 1024
+_DRAIN_FACTOR = 16  # an oversized body is read and dropped up to 16x the cap, so its client can read the 413
+
+
+def is_openai_path(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def error_response(
+    path: str, status: int, message: str, code: str | None = None, param: str | None = None
+) -> JSONResponse:
+    """The error in the shape the path's clients expect."""
+    code = code or HTTP_STATUS_CODES.get(status, f"http_{status}")
+    if is_openai_path(path):
+        kind = SERVER_ERROR if status >= 500 else "invalid_request_error"
+        return OpenAIError(status, message, code, error_type=kind, param=param).response()
+    return JSONResponse({"detail": message, "code": code}, status_code=status)
+
+
+class BodyGuard:
+    """Caps request bodies at ``max_bytes`` (413) and refuses JSON nested deeper than ``MAX_JSON_DEPTH`` (400)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        body = await self._read(receive) if not _declared_over(scope, self.max_bytes) else None
+        if body is None:
+            await self._too_large(path, scope, receive, send)
+            return
+        if await _too_deep(body):
+            response = error_response(path, 400, f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
+        """The whole body, or None as soon as it passes the cap."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # http.disconnect: the app sees an empty body and the client is gone anyway
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+    async def _too_large(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        # NOTE: the rest of the body is read and dropped (up to a bound) before answering: a client still sending
+        # when the server closes gets a reset instead of the 413. Past the bound the connection is simply closed.
+        await _discard(receive, _DRAIN_FACTOR * self.max_bytes)
+        message = f"the request body is larger than {self.max_bytes} bytes (KVCHAT_MAX_REQUEST_BYTES)"
+        response = error_response(path, 413, message)
+        response.headers["Connection"] = "close"
+        await response(scope, receive, send)
+
+
+async def _discard(receive: Receive, limit: int) -> None:
+    seen = 0
+    while seen <= limit:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        seen += len(message.get("body", b""))
+
+
+def _declared_over(scope: Scope, max_bytes: int) -> bool:
+    """The ``Content-Length`` already says the body is too large (nothing is read then)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return value.isdigit() and int(value) > max_bytes
+    return False
+
+
+async def _too_deep(body: bytes) -> bool:
+    if len(body) <= _INLINE_CHECK_BYTES:
+        return json_too_deep(body)
+    return await asyncio.to_thread(json_too_deep, body)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: wait for the disconnect, as the server would
+
+    return replay
+
+
+def install(app: FastAPI, max_request_bytes: int) -> None:
+    """Add the body guard and the exception handlers that give every error its stable shape."""
+    app.add_middleware(BodyGuard, max_bytes=max_request_bytes)
+    app.add_exception_handler(StarletteHTTPException, _http_exception)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(BackendError, _backend_error)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    path = request.url.path
+    if is_openai_path(path):
+        response = from_http_exception(exc).response()
+    else:
+        code = getattr(exc, "code", None) or HTTP_STATUS_CODES.get(exc.status_code, f"http_{exc.status_code}")
+        response = JSONResponse({"detail": str(exc.detail), "code": code}, status_code=exc.status_code)
+    for name, value in (exc.headers or {}).items():
+        response.headers[name] = value
+    return response
+
+
+async def _backend_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BackendError)
+    return error_response(request.url.path, exc.status, str(exc), exc.code)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    if is_openai_path(request.url.path):
+        return from_validation_error(exc).response()
+    return JSONResponse({"detail": describe_errors(exc.errors()), "code": "invalid_request"}, status_code=422)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # NOTE: not logged here: Starlette re-raises it after this response, and the server logs it once.
+    return error_response(request.url.path, 500, "internal server error", "internal_error")
+
+
+def describe_errors(errors: Sequence[Any]) -> str:
+    """``"<where>: <problem>"`` for the first validation error, never echoing the offending input."""
+    if not errors:
+        return "invalid request"
+    first = errors[0]
+    loc = error_location(first.get("loc", ()))
+    return f"{loc}: {error_problem(first)}" if loc else error_problem(first)
