@@ -9,6 +9,8 @@ The hierarchy (everything the engine raises on purpose derives from ``EngineErro
     │   └── InvalidSamplingParamsError   a sampling parameter is out of range
     ├── EngineBusy                   admission control refused the request; carries ``retry_after_s``
     ├── RequestAborted               the request was aborted (by the caller or because the engine stopped)
+    ├── RequestFailed                this request alone failed inside an engine step (its forward pass, non-finite
+    │                                logits, sampling or detokenizing); the rest of its batch went on
     ├── EngineStopped                the engine is not running
     └── ModelLoadError               the model could not be found, parsed or converted
 
@@ -61,6 +63,10 @@ class EngineBusy(EngineError):
 
 class RequestAborted(EngineError):
     code = "aborted"
+
+
+class RequestFailed(EngineError):
+    code = "request_failed"
 
 
 class EngineStopped(EngineError):

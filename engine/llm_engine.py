@@ -8,6 +8,11 @@ samples and detokenizes. Callers live on an asyncio loop; ``generate`` registers
 NOTE: applying aborts between steps (never during one) is what makes them safe: the forward pass writes K/V into the
 blocks of every scheduled sequence, and those blocks must not return to the free queue — or be reallocated — while
 it runs.
+
+Failure isolation. One request must never fail the others in its batch. A forward pass that raises is re-run on
+halves of the batch, down to single requests; only a request whose forward fails alone is failed. A row the sampler
+cannot sample (non-finite logits) and a token that fails to detokenize fail that request alone. A failed request's
+blocks written in the failed step are zeroed and freed, and never published to the prefix cache.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from engine.errors import (
     EngineStopped,
     InvalidRequestError,
     PromptTooLongError,
+    RequestFailed,
 )
 from engine.kv.block_hash import BlockHash, root_hash
 from engine.kv.kv_cache_manager import KVCacheManager, KVCacheUsage
@@ -37,11 +43,13 @@ from engine.kv.session_index import SessionIndex
 from engine.openmp import release_thread_pool
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, RequestStats, TokenDelta
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence as Seq
 from engine.sequence import SequenceStatus
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.model_runner import ModelRunner
     from engine.sampler import Sampler, SamplerState
     from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -49,6 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvchat.engine")
 
 _MAX_RELEASED_SESSIONS = 100_000
+_INTERNAL_ERROR = "internal engine error (see the server log)"
 
 ChatMessages = Sequence[dict[str, str]]
 Prompt = ChatMessages | Sequence[int] | str
@@ -320,7 +329,8 @@ class LLMEngine:
             self._check_fits(len(token_ids), params.max_tokens)
             rid = request_id or uuid.uuid4().hex
             seq = Seq(rid, token_ids, params, self._root(namespace))
-            state = self._sampler.new_state(params, self._tokenizer.eos_token_ids if self._tokenizer else ())
+            eos = self._tokenizer.eos_token_ids if self._tokenizer else ()
+            state = self._sampler.new_state(params, eos, request_id=rid)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
             prepared.append((rid, seq, _Request(seq, state, detok, sink, session)))
         with self._lock:
@@ -450,7 +460,7 @@ class LLMEngine:
         release_thread_pool()
 
     def _step(self) -> bool:
-        assert self._scheduler is not None and self._runner is not None and self._sampler is not None
+        assert self._scheduler is not None and self._sampler is not None
         with self._lock:
             self._apply_aborts()
             out = self._scheduler.schedule()
@@ -466,16 +476,77 @@ class LLMEngine:
                 )
         if out.is_empty:
             return False
-        logits = self._runner.forward(_batch_items(out))
-        sampled = [s.seq for s in out.scheduled if s.need_logits]
-        tokens = self._sampler.sample(logits, [self._requests[s.request_id].sampler_state for s in sampled])
+        computed, logits, failed = self._forward_isolated(out.scheduled)
+        sampled = [s for s in computed if s.need_logits]
+        outcomes = self._sampler.sample(logits, [self._requests[s.seq.request_id].sampler_state for s in sampled])
+        tokens: list[tuple[Seq, int]] = []
+        for item, outcome in zip(sampled, outcomes, strict=True):
+            if isinstance(outcome, int):
+                tokens.append((item.seq, outcome))
+            else:
+                failed.append((item, outcome.reason))
         now = time.monotonic()
         with self._lock:
+            for item, reason in failed:  # NOTE: before update_after_step, so none of their blocks is published
+                self._fail_scheduled(item, reason)
             self._scheduler.update_after_step(out)
             self._counters.steps += 1
-            for seq, token in zip(sampled, tokens, strict=True):
-                self._on_token(seq, token, now)
+            for seq, token in tokens:
+                self._on_token_isolated(seq, token, now)
         return True
+
+    def _forward_isolated(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[list[ScheduledSeq], torch.Tensor, list[tuple[ScheduledSeq, str]]]:
+        """Run the forward pass; when it raises, re-run halves of the batch until the requests that fail alone are
+        found. Returns the items computed, their logits (rows of those needing logits, in order) and the failures.
+
+        NOTE: re-running is safe because nothing has advanced yet: a forward only writes the K/V of positions
+        ``start_pos .. start_pos + n - 1`` of each item into that item's own, not yet published blocks (shared
+        prefix blocks are full and lie before ``start_pos``), and the scheduler's state changes only in
+        ``update_after_step``. A re-run writes the same positions into the same slots before any query reads them
+        (``engine/model/llama.py`` ``_layer`` stores each layer's K/V before it attends).
+        """
+        import torch  # NOTE: not at module level: the backend imports this module and must not pull in torch
+
+        assert self._runner is not None
+        try:
+            return scheduled, self._runner.forward(_batch_items(scheduled)), []
+        except Exception as exc:  # noqa: BLE001 - isolated below; the culprit's error is logged and reported
+            if len(scheduled) == 1:
+                return [], self._no_logits(), [(scheduled[0], f"forward raised {type(exc).__name__}: {exc}")]
+            log.warning("a forward pass of %d requests failed (%r); re-running it in halves", len(scheduled), exc)
+        half = len(scheduled) // 2
+        first, first_logits, first_failed = self._forward_isolated(scheduled[:half])
+        second, second_logits, second_failed = self._forward_isolated(scheduled[half:])
+        return first + second, torch.cat([first_logits, second_logits]), first_failed + second_failed
+
+    def _no_logits(self) -> torch.Tensor:
+        import torch
+
+        return torch.empty((0, self.info.vocab_size), dtype=torch.float32)
+
+    def _fail_scheduled(self, item: ScheduledSeq, reason: str) -> None:
+        """Fail one request of the step: zero the blocks the step was writing for it, free them, tell its sink."""
+        assert self._runner is not None
+        rid = item.seq.request_id
+        log.error("request %s failed in an engine step (the rest of the batch goes on): %s", rid, reason)
+        if rid not in self._requests:
+            return
+        # NOTE: the failed step may have left NaN or garbage K/V there. Padded attention reads masked slots of
+        # reused blocks and multiplies them by 0, and 0 * NaN is NaN: a later owner of the block must find zeros.
+        bs = self.info.block_size
+        end = item.start_pos + item.num_new_tokens
+        self._runner.clear_blocks(item.block_table[item.start_pos // bs : -(-end // bs)])
+        self._finish_with_error(rid, RequestFailed(_INTERNAL_ERROR))
+
+    def _on_token_isolated(self, seq: Seq, token: int, now: float) -> None:
+        """``_on_token``, failing only this request when detokenizing or reporting its token raises."""
+        try:
+            self._on_token(seq, token, now)
+        except Exception as exc:  # one request's detokenizer or sink must not fail the batch
+            log.exception("request %s failed after its token was sampled", seq.request_id)
+            self._finish_with_error(seq.request_id, RequestFailed(_INTERNAL_ERROR), cause=exc)
 
     def _on_token(self, seq: Seq, token: int, now: float) -> None:
         req = self._requests[seq.request_id]
@@ -538,19 +609,24 @@ class LLMEngine:
         self._pending_aborts.clear()
 
     def _fail_in_flight(self) -> None:
-        """After a failed step: fail every request in flight, releasing its blocks, so the engine can serve on."""
+        """After a step failed outside the isolated parts (a scheduler bug): fail every request in flight, releasing
+        its blocks, so the engine can serve on."""
         with self._lock:
             for rid in list(self._requests):
-                self._finish_with_error(rid, EngineError("internal engine error (see the server log)"))
+                self._finish_with_error(rid, EngineError(_INTERNAL_ERROR))
 
-    def _finish_with_error(self, request_id: str, error: EngineError) -> None:
+    def _finish_with_error(self, request_id: str, error: EngineError, cause: BaseException | None = None) -> None:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
         assert self._scheduler is not None
+        self._pending_aborts.discard(request_id)
         if not req.seq.is_finished:
             self._scheduler.abort(request_id)
-        req.sink(error)
+        if cause is not None:
+            error.__cause__ = cause
+        with contextlib.suppress(Exception):  # NOTE: a sink that raises has nobody left to tell
+            req.sink(error)
 
     # ------------------------------------------------------------------ helpers
 
@@ -571,7 +647,7 @@ class LLMEngine:
             raise PromptTooLongError(prompt_tokens, max_tokens, pool_tokens, "KV cache pool")
 
 
-def _batch_items(out: SchedulerOutput) -> list[BatchItemT]:
+def _batch_items(scheduled: list[ScheduledSeq]) -> list[BatchItemT]:
     from engine.model_runner import BatchItem
 
     return [
@@ -581,8 +657,9 @@ def _batch_items(out: SchedulerOutput) -> list[BatchItemT]:
             s.block_table,
             s.need_logits,
             prompt=s.start_pos + s.num_new_tokens <= s.seq.num_prompt_tokens,
+            request_id=s.seq.request_id,
         )
-        for s in out.scheduled
+        for s in scheduled
     ]
 
 

@@ -8,6 +8,7 @@ attend to them, because every attended position ``< start_pos + len`` was writte
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ class BatchItem:
     block_table: list[int]  # physical blocks covering start_pos + len(token_ids) tokens
     need_logits: bool  # False for a prefill chunk that does not end the prompt
     prompt: bool = False  # the tokens are prompt tokens (a lone one is attended as a prefill chunk: paged_attention)
+    request_id: str = ""  # whose tokens these are (for logs and fault injection, engine.testing)
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
@@ -46,7 +48,17 @@ def num_blocks_for_budget(spec: ModelSpec, max_kv_memory_mb: int, block_size: in
     return int(blocks)
 
 
+ForwardHook = Callable[[list[BatchItem], torch.Tensor], None]
+
+
 class ModelRunner:
+    """Owns the model and its KV pool; ``forward`` computes one scheduled batch.
+
+    ``fault_hook`` (None in production) is called after each forward pass with the batch and its logits; it may raise
+    (failing the pass, after the K/V was written, like a real late failure) or overwrite logit rows. It is how tests
+    make one request poison a batch (engine.testing).
+    """
+
     def __init__(
         self,
         model: str | Path | ResolvedModel | LoadedModel,
@@ -68,6 +80,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.max_model_len = min(max_model_len or self.spec.max_model_len, self.spec.max_model_len)
         self.model = self.loaded.build(self.max_model_len)
+        self.fault_hook: ForwardHook | None = None
         s = self.spec
         # NOTE: zeros, not empty: padded decode attention reads (masked) slots of block 0, and 0 * NaN would leak.
         # (on CPU in transparent huge pages: reads of scattered blocks need few TLB entries; see huge_pages.py)
@@ -139,7 +152,10 @@ class ModelRunner:
             rows = torch.empty(0, dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
-        return self.model.forward(input_ids, pos, plan, self.kv_pool, rows)
+        logits = self.model.forward(input_ids, pos, plan, self.kv_pool, rows)
+        if self.fault_hook is not None:
+            self.fault_hook(items, logits)
+        return logits
 
     def _check(self, item: BatchItem) -> None:
         end = item.start_pos + len(item.token_ids)
@@ -155,6 +171,11 @@ class ModelRunner:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         if min(item.block_table) < 0 or max(item.block_table) >= self.num_blocks:
             raise ValueError(f"block id out of range [0, {self.num_blocks})")
+
+    def clear_blocks(self, block_ids: list[int]) -> None:
+        """Zero the K/V of ``block_ids`` (after a failed step, before the blocks go back to the free queue)."""
+        if block_ids:
+            self.kv_pool[:, :, block_ids] = 0
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of the blocks' K/V, ``[layers, 2, len(block_ids), block_size, kv_heads, head_dim]`` (for tiers)."""

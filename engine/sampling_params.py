@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidSamplingParamsError
@@ -32,7 +33,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        # NOTE: below 1e-5 the logits / temperature overflow to inf and sampling turns into NaN; that is argmax anyway.
+        # NOTE: below 1e-5 sampling is argmax in all but name (a logit gap of 1e-3 leaves the runner-up e**-100).
         return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
@@ -45,11 +46,13 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
+        # NOTE: every finite value in these ranges is safe for the sampler (engine/sampler.py keeps the most likely
+        # token whatever top_p is, and scales logits that were shifted to a maximum of 0); NaN and inf are refused.
+        if not _finite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise bad(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             raise bad(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
@@ -61,3 +64,10 @@ class SamplingParams:
             raise bad("stop strings must be non-empty strings")
         if len(self.stop) > 16:
             raise bad(f"at most 16 stop strings are allowed, got {len(self.stop)}")
+
+
+def _finite(value: object) -> bool:
+    """A real, finite number (bool excluded: ``True`` is not a temperature)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))

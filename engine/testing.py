@@ -1,13 +1,24 @@
-"""Tiny, deterministic, random-weight models for tests and smoke runs (no download, builds in about a second).
+"""Test support: tiny random-weight models, family-faithful tokenizers, and fault injection.
 
 ``build_tiny_model(folder, arch="llama")`` writes a Hugging Face folder — config.json, model.safetensors, a byte-level
-BPE tokenizer trained in-process with a ChatML chat template — that every part of kvchat loads like a real model.
+BPE tokenizer trained in-process with a ChatML chat template — that every part of kvchat loads like a real model
+(no download, builds in about a second). ``build_family_tokenizer(folder, family)`` writes a small tokenizer with the
+special tokens and chat template of one supported model family. ``Faults(...).install(engine)`` makes chosen
+requests fail inside a loaded engine's forward pass or sampler, so tests can check that only they fail.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.llm_engine import LLMEngine
+    from engine.model_runner import BatchItem, ModelRunner
+    from engine.sampler import SamplerState
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -59,6 +70,137 @@ def build_tokenizer(folder: Path, vocab_size: int = 384) -> Any:
     hf.chat_template = CHATML_TEMPLATE
     hf.save_pretrained(folder)
     return hf
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerFamily:
+    """What a model family's tokenizer looks like to the chat template: its control tokens and its template."""
+
+    template: str
+    specials: tuple[str, ...]  # special (control) tokens; the first ones are named below
+    bos: str
+    eos: str
+    sentencepiece: bool = False  # Metaspace ("▁") BPE like Llama 2 / Mistral, else byte-level BPE
+    plain_added: tuple[str, ...] = ()  # added tokens that are not special (Qwen3's <think>)
+
+
+_LLAMA3_TEMPLATE = (
+    "{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+_LLAMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\n' + system_message + '\n<</SYS>>\n\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+_MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+_CHATML_DEFAULT_SYSTEM = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nDEFAULT<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_QWEN3_TEMPLATE = (
+    "{%- for message in messages %}{%- if message.role == 'assistant' %}{%- set content = message.content %}"
+    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
+    "{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+_CHATML = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+# NOTE: the templates and control tokens of the real models (abridged where they only add tools or reasoning).
+FAMILIES: dict[str, TokenizerFamily] = {
+    "llama2": TokenizerFamily(_LLAMA2_TEMPLATE, ("<unk>", "<s>", "</s>"), "<s>", "</s>", sentencepiece=True),
+    "llama3": TokenizerFamily(
+        _LLAMA3_TEMPLATE,
+        (
+            *("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+            *(f"<|reserved_special_token_{i}|>" for i in range(4)),
+        ),
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    ),
+    "mistral": TokenizerFamily(
+        _MISTRAL_TEMPLATE, ("<unk>", "<s>", "</s>", "[INST]", "[/INST]"), "<s>", "</s>", sentencepiece=True
+    ),
+    "qwen2": TokenizerFamily(
+        _CHATML_DEFAULT_SYSTEM.replace("DEFAULT", "You are a helpful assistant."),
+        (*_CHATML, "<|object_ref_start|>", "<|vision_start|>", "<|fim_prefix|>"),
+        "<|im_start|>",
+        "<|im_end|>",
+    ),
+    "qwen3": TokenizerFamily(
+        _QWEN3_TEMPLATE,
+        (*_CHATML, "<|object_ref_start|>", "<|vision_start|>", "<|fim_prefix|>"),
+        "<|im_start|>",
+        "<|im_end|>",
+        plain_added=("<think>", "</think>", "<tool_call>", "</tool_call>"),
+    ),
+    "smollm2": TokenizerFamily(
+        _CHATML_DEFAULT_SYSTEM.replace(
+            "DEFAULT", "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        ),
+        (*_CHATML, "<repo_name>", "<reponame>", "<file_sep>", "<filename>", "<gh_stars>", "<jupyter_output>"),
+        "<|im_start|>",
+        "<|im_end|>",
+    ),
+}
+
+
+def build_family_tokenizer(folder: str | Path, family: str, vocab_size: int = 400) -> Path:
+    """Write a small tokenizer with ``family``'s control tokens, BOS/EOS and chat template to ``folder``."""
+    import string
+
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = FAMILIES[family]
+    folder = Path(folder)
+    if spec.sentencepiece:
+        raw = RawTokenizer(models.BPE(unk_token="<unk>"))
+        raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        raw.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(spec.specials),
+            initial_alphabet=list(string.printable),  # NOTE: no byte fallback: every ASCII character gets a token
+            show_progress=False,
+        )
+    else:
+        raw = RawTokenizer(models.BPE())
+        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        raw.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(spec.specials),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+    raw.train_from_iterator(_CORPUS * 4, trainer)
+    raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.plain_added])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token=spec.bos, eos_token=spec.eos, clean_up_tokenization_spaces=False
+    )
+    hf.add_special_tokens({"additional_special_tokens": [t for t in spec.specials if t not in (spec.bos, spec.eos)]})
+    hf.chat_template = spec.template
+    hf.save_pretrained(folder)
+    return folder
 
 
 def build_tiny_model(
@@ -118,3 +260,72 @@ def build_tiny_model(
             model.get_output_embeddings().weight[tokenizer.eos_token_id].zero_()
     model.save_pretrained(folder)
     return folder
+
+
+class InjectedFault(RuntimeError):
+    """What an injected failure raises (never raised outside tests)."""
+
+
+@dataclass(slots=True)
+class Faults:
+    """Failures to inject into one engine, chosen by request id or token id; the sets may change while it runs.
+
+    * ``forward_requests``: a forward pass raises (after writing its K/V) whenever one of these requests is in it;
+    * ``forward_tokens``: a forward pass raises whenever it computes one of these ids as a prompt token (a poisoned
+      prompt; generated tokens never trigger it, so a request cannot be poisoned by what the model says);
+    * ``nan_logits``: the logits row of these requests comes back all NaN (a model that blew up on their input);
+    * ``corrupt_kv``: a forward pass writes NaN into the K/V slots it computed for these requests, then raises;
+    * ``sample_requests``: sampling the row of these requests raises.
+
+    ``forward_batches`` records the request ids of every forward pass, in order, for assertions.
+    """
+
+    forward_requests: set[str] = field(default_factory=set)
+    forward_tokens: set[int] = field(default_factory=set)
+    nan_logits: set[str] = field(default_factory=set)
+    corrupt_kv: set[str] = field(default_factory=set)
+    sample_requests: set[str] = field(default_factory=set)
+    forward_batches: list[tuple[str, ...]] = field(default_factory=list)
+    _runner: ModelRunner | None = field(default=None, repr=False)
+
+    def install(self, engine: LLMEngine) -> Faults:
+        """Hook into a loaded engine's model runner and sampler (``engine.load()`` or ``start()`` first)."""
+        # NOTE: the one place that reaches into the engine's parts; the hooks are their documented test seams.
+        runner, sampler = engine._runner, engine._sampler
+        if runner is None or sampler is None:
+            raise RuntimeError("load the engine before installing faults")
+        runner.fault_hook = self._after_forward
+        sampler.fault_hook = self._before_sample
+        self._runner = runner
+        return self
+
+    def clear(self) -> None:
+        """Inject nothing more (the record of forward passes is kept)."""
+        for chosen in (self.forward_requests, self.nan_logits, self.corrupt_kv, self.sample_requests):
+            chosen.clear()
+        self.forward_tokens.clear()
+
+    def _after_forward(self, items: list[BatchItem], logits: torch.Tensor) -> None:
+        self.forward_batches.append(tuple(item.request_id for item in items))
+        for item in items:
+            if item.request_id in self.corrupt_kv:
+                self._write_nan_kv(item)
+                raise InjectedFault(f"injected NaN K/V for request {item.request_id}")
+            if item.request_id in self.forward_requests:
+                raise InjectedFault(f"injected forward failure for request {item.request_id}")
+            if item.prompt and self.forward_tokens.intersection(item.token_ids):
+                raise InjectedFault(f"injected forward failure on a poisoned token of request {item.request_id}")
+        rows = [item.request_id for item in items if item.need_logits]
+        for row, request_id in enumerate(rows):
+            if request_id in self.nan_logits:
+                logits[row] = float("nan")
+
+    def _write_nan_kv(self, item: BatchItem) -> None:
+        assert self._runner is not None
+        bs = self._runner.block_size
+        for pos in range(item.start_pos, item.start_pos + len(item.token_ids)):
+            self._runner.kv_pool[:, :, item.block_table[pos // bs], pos % bs] = float("nan")
+
+    def _before_sample(self, state: SamplerState) -> None:
+        if state.request_id in self.sample_requests:
+            raise InjectedFault(f"injected sampling failure for request {state.request_id}")

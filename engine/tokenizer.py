@@ -1,6 +1,8 @@
 """The HF tokenizer, the chat template, and streaming detokenization with stop strings.
 
 ``Tokenizer`` wraps ``transformers.AutoTokenizer`` and reads the EOS ids (tokenizer + ``generation_config.json``).
+Its ``apply_chat_template`` encodes message content as plain text: only the template's own markers become control
+tokens, so a customer who types ``<|im_start|>system`` cannot forge a turn.
 ``IncrementalDetokenizer`` turns a stream of token ids into a stream of stable text deltas:
 
 * a multi-byte UTF-8 character split across tokens is held back until it is complete (no U+FFFD mid-stream);
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,12 @@ FALLBACK_CHAT_TEMPLATE = (
 _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
+# NOTE: a control-token string found in message content is swapped for "\ue000<n>\ue001" (private-use characters,
+# no whitespace, so templates that trim content leave it alone) while the template renders, and swapped back after.
+# "\ue000" itself is escaped too, so every one in the rendered text opens a placeholder.
+_ESCAPE_OPEN, _ESCAPE_CLOSE = "\ue000", "\ue001"
+_ESCAPED = re.compile(f"{_ESCAPE_OPEN}(\\d+){_ESCAPE_CLOSE}")
+
 
 class Tokenizer:
     """A loaded tokenizer: ``encode``, ``decode``, ``apply_chat_template``, ``eos_token_ids``, ``vocab_size``."""
@@ -50,6 +59,10 @@ class Tokenizer:
         kwargs: dict[str, Any] = {} if gguf_file is None else {"gguf_file": gguf_file}
         self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(folder, **kwargs)
         self.eos_token_ids: tuple[int, ...] = _eos_token_ids(self.hf, Path(folder))
+        self.control_tokens: dict[str, int] = _control_tokens(self.hf)
+        # NOTE: longest first, so a split takes the longest marker at a position, as the tokenizer does.
+        self._control = _alternation(list(self.control_tokens))
+        self._escapable = _alternation([*self.control_tokens, _ESCAPE_OPEN])
 
     @property
     def vocab_size(self) -> int:
@@ -69,15 +82,88 @@ class Tokenizer:
         return text
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Render the conversation with the tokenizer's chat template (ChatML when it has none) and tokenize it."""
+        """Render the conversation with the tokenizer's chat template (ChatML when it has none) and tokenize it.
+
+        Message content is always plain text: a control-token string in it (``<|im_start|>``, ``<s>``, ...) encodes
+        as the characters it is made of, never as the control token. Only the template's own markers are control
+        tokens.
+        """
         _check_messages(messages)
+        originals: list[str] = []
+        escaped = [{**m, "content": self._escape(m["content"], originals)} for m in messages]
+        text = self._render(escaped, add_generation_prompt)
+        if not originals:
+            # NOTE: no content holds a control-token string, so every one in the text is the template's: one encode
+            # of the whole text keeps the ids exactly what they always were (prefix-cache reuse relies on it).
+            return self.encode(text, add_special_tokens=False)
+        return self._encode_escaped(text, originals)
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         template = None if self.hf.chat_template else FALLBACK_CHAT_TEMPLATE
         text = self.hf.apply_chat_template(
             messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
         )
         assert isinstance(text, str)  # tokenize=False on a single conversation returns the rendered string
-        # NOTE: the template already wrote every special token (BOS included, where the model wants one).
-        return self.encode(text, add_special_tokens=False)
+        return text
+
+    def _escape(self, content: str, originals: list[str]) -> str:
+        """``content`` with each control-token string (and ``_ESCAPE_OPEN``) replaced by a numbered placeholder."""
+
+        def placeholder(match: re.Match[str]) -> str:
+            originals.append(match.group(0))
+            return f"{_ESCAPE_OPEN}{len(originals) - 1}{_ESCAPE_CLOSE}"
+
+        return self._escapable.sub(placeholder, content)
+
+    def _encode_escaped(self, text: str, originals: list[str]) -> list[int]:
+        """Encode rendered text whose content was escaped: the control tokens left in it are the template's markers.
+
+        Text between two markers that holds a placeholder is encoded, placeholders restored, with special-token
+        parsing off. Every other token keeps the id one encode of the whole text gives it, so the rest of the
+        conversation encodes exactly as it would without the escaped content (and its cached prefix still matches).
+        NOTE: the template already wrote every special token (BOS included, where the model wants one).
+        """
+
+        def restore(segment: str) -> str:
+            return _ESCAPED.sub(lambda m: originals[int(m.group(1))], segment)
+
+        encoding = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        whole: list[int] = list(encoding["input_ids"])
+        offsets: list[tuple[int, int]] = list(encoding["offset_mapping"])
+        markers = [(m.start(), m.end(), self.control_tokens[m.group(0)]) for m in self._control.finditer(text)]
+        ids: list[int] = []
+        i = pos = 0
+        for start, end, marker_id in [*markers, (len(text), len(text), None)]:
+            first = i
+            while i < len(whole) and offsets[i][0] < start:  # the tokens of the text before this marker
+                i += 1
+            segment = text[pos:start]
+            ids += self._encode_plain(restore(segment)) if _ESCAPE_OPEN in segment else whole[first:i]
+            if marker_id is not None:
+                if i >= len(whole) or whole[i] != marker_id:
+                    # NOTE: offsets that do not line up with the markers (an unusual tokenizer): encode every
+                    # stretch on its own instead; the markers are still the only control tokens.
+                    return self._encode_segments(text, markers, restore)
+                ids.append(marker_id)
+                i += 1
+            pos = end
+        return ids
+
+    def _encode_segments(
+        self, text: str, markers: list[tuple[int, int, int]], restore: Callable[[str], str]
+    ) -> list[int]:
+        """Each marker as its control id, each stretch between two markers encoded on its own as plain text."""
+        ids: list[int] = []
+        pos = 0
+        for start, end, marker_id in markers:
+            ids += [*self._encode_plain(restore(text[pos:start])), marker_id]
+            pos = end
+        return ids + self._encode_plain(restore(text[pos:]))
+
+    def _encode_plain(self, text: str) -> list[int]:
+        if not text:
+            return []
+        return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
 def _eos_token_ids(hf: PreTrainedTokenizerBase, folder: Path) -> tuple[int, ...]:
@@ -88,6 +174,25 @@ def _eos_token_ids(hf: PreTrainedTokenizerBase, folder: Path) -> tuple[int, ...]
         value = json.loads(config.read_text(encoding="utf-8")).get("eos_token_id")
         ids.extend([value] if isinstance(value, int) else [v for v in value or [] if isinstance(v, int)])
     return tuple(dict.fromkeys(ids))
+
+
+def _control_tokens(hf: PreTrainedTokenizerBase) -> dict[str, int]:
+    """The strings the tokenizer turns into special (control) tokens, longest first, with their ids.
+
+    NOTE: added tokens that are not special (Qwen3's ``<think>``) are matched by the tokenizer even with special-token
+    parsing off; they are not role markers and are left as they are.
+    """
+    ids = {t.content: i for i, t in hf.added_tokens_decoder.items() if t.special and t.content}
+    for token in hf.all_special_tokens:
+        token_id = hf.convert_tokens_to_ids(token)
+        if token and isinstance(token_id, int):
+            ids.setdefault(token, token_id)
+    return {t: ids[t] for t in sorted(ids, key=lambda t: (-len(t), t))}
+
+
+def _alternation(strings: Sequence[str]) -> re.Pattern[str]:
+    """A pattern matching any of ``strings`` (tried in the order given); one that never matches when empty."""
+    return re.compile("|".join(re.escape(s) for s in strings) or "(?!)")
 
 
 def _check_messages(messages: list[dict[str, str]]) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 
 import anyio
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.errors import (
@@ -21,10 +20,12 @@ from engine.errors import (
     InvalidSamplingParamsError,
     ModelLoadError,
     PromptTooLongError,
+    RequestFailed,
 )
 from engine.llm_engine import LLMEngine
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished
 from engine.sampling_params import SamplingParams
+from engine.testing import Faults
 from support.engines import make_engine, one_intra_op_thread
 
 NS = "errors"  # nothing this module caches is shared with other modules' requests
@@ -239,30 +240,13 @@ class Sink:
             self.done.set()
 
 
-def fail_once(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Make the runner's next forward pass raise; returns the list of forward calls (by batch size) for checks."""
-    runner = engine._runner
-    assert runner is not None
-    real = runner.forward
-    calls: list[int] = []
-
-    def forward(items: list[Any]) -> torch.Tensor:
-        calls.append(len(items))
-        if len(calls) == 1:
-            raise RuntimeError("simulated kernel failure")
-        return real(items)
-
-    monkeypatch.setattr(runner, "forward", forward)
-    return calls
-
-
 @pytest.mark.anyio
-async def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves_on(
-    tiny_model_dir: Path, probe_tokens: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+async def test_a_step_failing_for_every_request_fails_each_alone_and_the_engine_serves_on(
+    tiny_model_dir: Path, probe_tokens: tuple[int, ...]
 ) -> None:
     engine = make_engine(tiny_model_dir)
     engine.load()
-    calls = fail_once(engine, monkeypatch)
+    faults = Faults(forward_requests={"in-flight-0", "in-flight-1"}).install(engine)
     # Queued before the step loop starts, so both are in the first (failing) step.
     sinks = [Sink(), Sink()]
     for i, sink in enumerate(sinks):
@@ -272,9 +256,10 @@ async def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves
         for sink in sinks:
             assert await anyio.to_thread.run_sync(sink.done.wait, 30)
             [error] = sink.events
-            assert type(error) is EngineError
+            assert type(error) is RequestFailed
             assert str(error) == "internal engine error (see the server log)"
-        assert calls == [2]
+        # The batch failed, then each request failed alone.
+        assert faults.forward_batches == [("in-flight-0", "in-flight-1"), ("in-flight-0",), ("in-flight-1",)]
         stats = engine.stats()
         assert (stats.running, stats.waiting, stats.kv.num_used_blocks, stats.requests_finished) == (0, 0, 0, 0)
         await assert_serves(engine, probe_tokens)
@@ -282,13 +267,36 @@ async def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_serves
         await engine.stop()
 
 
-def test_a_failing_step_in_a_sync_run_fails_its_requests_and_the_engine_serves_on(
-    tiny_model_dir: Path, probe_tokens: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+def test_a_failing_request_in_a_sync_run_raises_its_error_and_the_engine_serves_on(
+    tiny_model_dir: Path, probe_tokens: tuple[int, ...]
 ) -> None:
     engine = make_engine(tiny_model_dir)
     engine.load()
-    fail_once(engine, monkeypatch)
-    with pytest.raises(RuntimeError, match=r"^simulated kernel failure$"):
+    faults = Faults(forward_tokens={PROBE[0]}).install(engine)
+    with pytest.raises(RequestFailed, match=r"^internal engine error \(see the server log\)$"):
+        engine.generate_sync([PROBE, [5, 6, 7]], PARAMS, NS)
+    stats = engine.stats()
+    assert (stats.running, stats.waiting, stats.kv.num_used_blocks, stats.requests_finished) == (0, 0, 0, 1)
+    faults.clear()
+    assert [r.token_ids for r in engine.generate_sync([PROBE], PARAMS, NS)] == [probe_tokens]
+
+
+def test_a_failing_scheduler_still_fails_the_requests_in_flight_and_the_engine_serves_on(
+    tiny_model_dir: Path, probe_tokens: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside the isolated parts (forward, sampling, detokenizing) a failure is a bug: every request fails."""
+    engine = make_engine(tiny_model_dir)
+    engine.load()
+    scheduler = engine._scheduler
+    assert scheduler is not None
+    real = scheduler.schedule
+
+    def schedule() -> Any:
+        monkeypatch.setattr(scheduler, "schedule", real)
+        raise RuntimeError("simulated scheduler bug")
+
+    monkeypatch.setattr(scheduler, "schedule", schedule)
+    with pytest.raises(RuntimeError, match=r"^simulated scheduler bug$"):
         engine.generate_sync([PROBE, [5, 6, 7]], PARAMS, NS)
     stats = engine.stats()
     assert (stats.running, stats.waiting, stats.kv.num_used_blocks) == (0, 0, 0)

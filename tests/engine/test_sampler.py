@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidSamplingParamsError
-from engine.sampler import Sampler, SamplerState
+from engine.sampler import RowError, Sampler, SamplerState
 from engine.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -63,7 +63,9 @@ def run_seeded(sampler: Sampler, position: int, others: list[SamplingParams], st
         logits = random_logits(len(others) + 1, seed=1000 + step * 7 + len(others))
         logits[position] = random_logits(1, seed=step)[0]
         states = [*other_states[:position], target, *other_states[position:]]
-        out.append(sampler.sample(logits, states)[position])
+        token = sampler.sample(logits, states)[position]
+        assert isinstance(token, int)
+        out.append(token)
     return out
 
 
@@ -89,7 +91,9 @@ def frequencies(sampler: Sampler, logits: torch.Tensor, draws: int, **params: ob
     s = state(sampler, seed=42, **params)
     counts = torch.zeros(logits.shape[-1])
     for _ in range(draws):
-        counts[sampler.sample(logits[None], [s])[0]] += 1
+        [token] = sampler.sample(logits[None], [s])
+        assert isinstance(token, int)
+        counts[token] += 1
     return counts / draws
 
 
@@ -185,3 +189,128 @@ def test_a_tiny_temperature_is_greedy_not_nan() -> None:
     state = sampler.new_state(SamplingParams(temperature=1e-40), eos_token_ids=())
     assert state.params.greedy
     assert sampler.sample(logits, [state]) == [1]
+
+
+# --- edge values: every accepted parameter samples a finite distribution; everything else is refused by name ---------
+
+TINY = [1e-300, 5e-324, 1e-45, 1e-38]  # far below float32's range, its smallest subnormal, its smallest normal
+FLOAT_MAX = 1.7976931348623157e308
+INF, NAN = float("inf"), float("nan")
+REFUSED = [
+    ("temperature", NAN, r"^temperature must be in \[0, 100\], got nan$"),
+    ("temperature", INF, r"^temperature must be in \[0, 100\], got inf$"),
+    ("temperature", -INF, r"^temperature must be in \[0, 100\], got -inf$"),
+    ("temperature", FLOAT_MAX, r"^temperature must be in \[0, 100\], got 1\.7976931348623157e\+308$"),
+    ("temperature", True, r"^temperature must be in \[0, 100\], got True$"),
+    ("temperature", "1", r"^temperature must be in \[0, 100\], got '1'$"),
+    ("top_p", NAN, r"^top_p must be in \(0, 1\], got nan$"),
+    ("top_p", INF, r"^top_p must be in \(0, 1\], got inf$"),
+    ("top_p", FLOAT_MAX, r"^top_p must be in \(0, 1\], got 1\.7976931348623157e\+308$"),
+    ("top_p", 0.0, r"^top_p must be in \(0, 1\], got 0\.0$"),
+    ("top_p", -5e-324, r"^top_p must be in \(0, 1\], got -5e-324$"),
+    ("top_p", False, r"^top_p must be in \(0, 1\], got False$"),
+    ("top_k", 1.0, r"^top_k must be an integer >= 0 \(0 disables it\), got 1\.0$"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "message"), REFUSED, ids=[f"{n}={v!r}" for n, v, _ in REFUSED])
+def test_non_finite_and_out_of_range_values_are_refused_by_name(name: str, value: object, message: str) -> None:
+    with pytest.raises(InvalidSamplingParamsError, match=message) as raised:
+        SamplingParams(**{name: value})  # type: ignore[arg-type]
+    assert raised.value.code == "invalid_sampling_params"
+
+
+EDGE_PARAMS = [
+    *({"temperature": 1.0, "top_p": p} for p in [*TINY, 1.0]),
+    *({"temperature": t} for t in [*TINY, 1e-5, 1.0, 100.0]),
+    *({"temperature": 100.0, "top_p": p, "top_k": k} for p in TINY for k in (0, 1, 3)),
+    {"temperature": 1e-5, "top_k": 1_000_000},
+    {"temperature": 1.0, "top_k": 1, "top_p": 1e-300, "min_tokens": 1},
+]
+EDGE_LOGITS = {
+    "normal": [2.0, 1.0, 0.5, 0.0, -1.0, -3.0],
+    "near-float32-max": [3.0e38, -3.0e38, 1.0e38, 0.0, 3.4e38, -1.0],
+    "masked": [-INF, 4.0, -INF, -INF, 3.9, -INF],
+    "ties": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+}
+
+
+@pytest.mark.parametrize("logits", EDGE_LOGITS.values(), ids=EDGE_LOGITS.keys())
+@pytest.mark.parametrize("params", EDGE_PARAMS, ids=lambda p: ",".join(f"{k}={v!r}" for k, v in p.items()))
+def test_every_accepted_edge_value_samples_a_valid_token(logits: list[float], params: dict[str, object]) -> None:
+    sampler = Sampler(seed=0)
+    row = torch.tensor([logits])
+    finite = {i for i, x in enumerate(logits) if x != -INF}
+    s = sampler.new_state(SamplingParams(**params, seed=1), eos_token_ids=(EOS,))  # type: ignore[arg-type]
+    for _ in range(5):
+        [token] = sampler.sample(row, [s])
+        assert isinstance(token, int)
+        assert token in finite
+
+
+@pytest.mark.parametrize("p", TINY)
+def test_a_top_p_below_float32_range_keeps_exactly_the_top_token(sampler: Sampler, p: float) -> None:
+    # This top_p made the whole batch fail before (issue 20): it compared as 0.0 and filtered out every token.
+    logits = random_logits(6, seed=11)
+    states = [state(sampler, temperature=1.0, top_p=p) for _ in range(6)]
+    assert sampler.sample(logits, states) == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 2e-5, 1e-3])
+def test_small_temperatures_on_huge_logits_pick_the_top_token(sampler: Sampler, temperature: float) -> None:
+    logits = torch.tensor([[3.0e38, -3.0e38, 3.4e38, 1.0]])  # row / 1e-5 overflowed to inf before the shift
+    assert sampler.sample(logits, [state(sampler, temperature=temperature, seed=3)]) == [2]
+
+
+def test_min_tokens_that_would_mask_every_token_is_skipped_not_nan(sampler: Sampler) -> None:
+    s = state(sampler, temperature=1.0, seed=0, min_tokens=2, stop_token_ids=tuple(range(VOCAB)))
+    logits = random_logits(1, seed=4)
+    [token] = sampler.sample(logits, [s])
+    assert isinstance(token, int)
+    assert 0 <= token < VOCAB
+
+
+# --- row isolation: a row that cannot be sampled fails alone ------------------------------------------------------
+
+BAD_ROWS = {
+    "nan": float("nan"),
+    "plus-inf": float("inf"),
+}
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("poison", BAD_ROWS.values(), ids=BAD_ROWS.keys())
+def test_a_non_finite_row_fails_alone(greedy: bool, poison: float) -> None:
+    logits = random_logits(4, seed=8)
+    params = {} if greedy else {"temperature": 0.8, "seed": 5}
+    clean = Sampler(seed=0).sample(logits, [state(Sampler(), **params) for _ in range(4)])
+    logits[2, 17] = poison
+    sampler = Sampler(seed=0)
+    outcomes = sampler.sample(logits, [state(sampler, **params) for _ in range(4)])
+    assert outcomes[2] == RowError("the model produced non-finite logits")
+    assert outcomes[:2] + outcomes[3:] == clean[:2] + clean[3:]
+
+
+def test_a_row_with_no_finite_logit_fails_alone(sampler: Sampler) -> None:
+    logits = random_logits(3, seed=9)
+    logits[0] = float("-inf")
+    outcomes = sampler.sample(logits, [state(sampler) for _ in range(3)])
+    assert outcomes == [RowError("the model produced non-finite logits"), *logits[1:].argmax(dim=-1).tolist()]
+
+
+def test_a_row_whose_sampling_raises_fails_alone_and_the_others_keep_their_seeded_draws() -> None:
+    logits = random_logits(3, seed=10)
+    params = {"temperature": 1.0, "seed": 77}
+    clean = Sampler().sample(logits, [state(Sampler(), **params) for _ in range(3)])
+    sampler = Sampler()
+    states = [state(sampler, **params) for _ in range(3)]
+    for i, s in enumerate(states):
+        s.request_id = f"r{i}"
+
+    def hook(s: SamplerState) -> None:
+        if s.request_id == "r1":
+            raise RuntimeError("boom")
+
+    sampler.fault_hook = hook
+    outcomes = sampler.sample(logits, states)
+    assert outcomes == [clean[0], RowError("sampling raised RuntimeError: boom"), clean[2]]
