@@ -38,10 +38,13 @@ from engine.errors import (
     RequestFailed,
 )
 from engine.kv.block_hash import BlockHash, root_hash
-from engine.kv.kv_cache_manager import KVCacheManager, KVCacheUsage
+from engine.kv.block_meta import GENERATED, UNTYPED, SpanMap, TokenSpan
+from engine.kv.cache_stats import CacheStats
+from engine.kv.kv_cache_manager import InvalidationResult, KVCacheManager, KVCacheUsage
 from engine.kv.session_index import SessionIndex
 from engine.openmp import release_thread_pool
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, RequestStats, TokenDelta
+from engine.prompt import SegmentedPrompt, TokenizedPrompt, spans_from_owners
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence as Seq
@@ -57,10 +60,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvchat.engine")
 
 _MAX_RELEASED_SESSIONS = 100_000
+RELEASE_REASON = "session_released"  # the invalidation reason release_session's blocks are counted under
 _INTERNAL_ERROR = "internal engine error (see the server log)"
 
 ChatMessages = Sequence[dict[str, str]]
-Prompt = ChatMessages | Sequence[int] | str
+Prompt = ChatMessages | Sequence[int] | str | SegmentedPrompt
 Sink = Callable[[GenerationEvent | EngineError], None]
 
 
@@ -90,6 +94,7 @@ class EngineStats:
     cached_tokens: int
     generated_tokens: int
     steps: int
+    cache: CacheStats  # prefix-cache hits by block type, reuse depth, efficiency, invalidations by reason
 
 
 @dataclass(slots=True)
@@ -127,6 +132,7 @@ class LLMEngine:
         self._pending_aborts: set[str] = set()
         self._roots: dict[str, BlockHash] = {}
         self._sessions = SessionIndex()
+        self._session_roots: dict[str, BlockHash] = {}  # the namespace root each recorded session's chain hangs from
         # NOTE: remembered (bounded) so a request that finishes after its session closed does not re-record it.
         self._released_sessions: dict[str, None] = {}
         self._lock = threading.Lock()
@@ -237,9 +243,20 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        """Chat messages → the model's chat template; a string → plain encoding; token ids pass through."""
+        """Chat messages → the model's chat template; a string → plain encoding; token ids pass through; a
+        ``SegmentedPrompt`` → the chat template over its messages (the same ids as the joined messages)."""
+        return self.tokenize_prompt(prompt).token_ids
+
+    def tokenize_prompt(self, prompt: Prompt) -> TokenizedPrompt:
+        """``tokenize``, plus the token spans of a ``SegmentedPrompt``'s segments and template (none otherwise)."""
+        if isinstance(prompt, SegmentedPrompt):
+            if not prompt.messages:
+                raise EmptyPromptError()
+            parts = [(m.role, [s.text for s in m.segments]) for m in prompt.messages]
+            ids, owners = self.tokenizer.apply_chat_template_segments(parts, prompt.add_generation_prompt)
+            return TokenizedPrompt(ids, spans_from_owners(owners, prompt.segments))
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return TokenizedPrompt(self.tokenizer.encode(prompt))
         items: list[object] = list(prompt)
         if not items:
             raise EmptyPromptError()
@@ -248,10 +265,10 @@ class LLMEngine:
             bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
             if bad:
                 raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.info.vocab_size})")
-            return ids
+            return TokenizedPrompt(ids)
         messages = [m for m in items if isinstance(m, dict)]
         if len(messages) == len(items):
-            return self.tokenizer.apply_chat_template(messages)
+            return TokenizedPrompt(self.tokenizer.apply_chat_template(messages))
         raise InvalidRequestError("prompt must be chat messages, a string, or a list of token ids")
 
     async def generate(
@@ -325,10 +342,12 @@ class LLMEngine:
         ids = list(request_ids or [None] * len(requests))
         prepared: list[tuple[str, Seq, _Request]] = []
         for (prompt, params, namespace, sink), request_id in zip(requests, ids, strict=True):
-            token_ids = self.tokenize(prompt)
+            tokenized = self.tokenize_prompt(prompt)
+            token_ids = tokenized.token_ids
             self._check_fits(len(token_ids), params.max_tokens)
             rid = request_id or uuid.uuid4().hex
-            seq = Seq(rid, token_ids, params, self._root(namespace))
+            spans = SpanMap(tokenized.spans or (TokenSpan(0, len(token_ids), UNTYPED),), fill=GENERATED)
+            seq = Seq(rid, token_ids, params, self._root(namespace), spans=spans)
             eos = self._tokenizer.eos_token_ids if self._tokenizer else ()
             state = self._sampler.new_state(params, eos, request_id=rid)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
@@ -368,7 +387,68 @@ class LLMEngine:
             self._released_sessions[session] = None
             if len(self._released_sessions) > _MAX_RELEASED_SESSIONS:
                 del self._released_sessions[next(iter(self._released_sessions))]
-            return self._kv.evict_cached(self._sessions.release(session))
+            self._session_roots.pop(session, None)
+            return self._kv.evict_cached(self._sessions.release(session), reason=RELEASE_REASON)
+
+    def invalidate(
+        self,
+        namespace: str,
+        *,
+        session: str | None = None,
+        from_position: int | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
+        reason: str = "invalidated",
+    ) -> InvalidationResult:
+        """Free cached blocks whose context changed, and every cached block that depends on them.
+
+        Either ``session`` + ``from_position`` (the first token position of the session's conversation that changed:
+        its recorded chain and its in-flight requests from the block holding that position on) or ``block_hashes``
+        (those blocks; with ``session``, that session's blocks are not protected from it). Only ``namespace``'s
+        blocks are reached. Never freed: a block another session's recorded chain lists, or a request of another
+        session holds; a block a request of this session (or one without a session) holds is unpublished now and
+        freed when the request ends, and that request publishes nothing from there on. The session's later turns are
+        recorded as usual. ``reason`` keys the stats (``EngineStats.cache.invalidations``).
+        """
+        if self._kv is None:
+            raise EngineStopped("the engine is not loaded")
+        if (from_position is None) == (block_hashes is None) or (from_position is not None and session is None):
+            raise InvalidRequestError("invalidate() needs session and from_position, or block_hashes")
+        if from_position is not None and (isinstance(from_position, bool) or not isinstance(from_position, int)):
+            raise InvalidRequestError(f"from_position must be an integer >= 0, got {from_position!r}")
+        if from_position is not None and from_position < 0:
+            raise InvalidRequestError(f"from_position must be an integer >= 0, got {from_position!r}")
+        root = self._root(namespace)
+        with self._lock:
+            targets = list(block_hashes or ())
+            if from_position is not None and session is not None:
+                targets += self._cut_session(session, root, from_position // self.info.block_size)
+            return self._kv.invalidate(targets, root=root, protected=self._protected_from(session), reason=reason)
+
+    def _cut_session(self, session: str, root: BlockHash, first_block: int) -> list[BlockHash]:
+        """The session's hashes from ``first_block`` on (recorded chain and in-flight requests), which stop there."""
+        assert self._kv is not None
+        targets: list[BlockHash] = []
+        if self._session_roots.get(session) == root:
+            targets += self._sessions.chain(session)[first_block:]
+            self._sessions.truncate(session, first_block)
+        for rid, req in self._requests.items():
+            seq = req.seq
+            if req.session == session and seq.root == root:
+                targets += self._kv.request_hashes(rid)[first_block:]
+                # NOTE: on the sequence too: a waiting (or preempted) request holds no blocks yet; the scheduler
+                # applies the limit when it admits it.
+                seq.publish_limit = first_block if seq.publish_limit is None else min(seq.publish_limit, first_block)
+                self._kv.stop_publishing(rid, first_block)
+        return targets
+
+    def _protected_from(self, session: str | None) -> set[BlockHash]:
+        """Hashes an invalidation on behalf of ``session`` must keep: other sessions' chains and running requests."""
+        assert self._kv is not None
+        protected = self._sessions.wanted_by_others(session)
+        for rid, req in self._requests.items():
+            if req.session is not None and req.session != session:
+                protected.update(self._kv.request_hashes(rid))
+        return protected
 
     def stats(self) -> EngineStats:
         if self._scheduler is None or self._kv is None:
@@ -384,6 +464,7 @@ class LLMEngine:
                 cached_tokens=c.cached_tokens,
                 generated_tokens=c.generated_tokens,
                 steps=c.steps,
+                cache=self._kv.cache_stats(),
             )
 
     # ------------------------------------------------------------------ synchronous driving (tests, benchmarks)
@@ -511,7 +592,12 @@ class LLMEngine:
 
         assert self._runner is not None
         try:
-            return scheduled, self._runner.forward(_batch_items(scheduled)), []
+            items = _batch_items(scheduled)
+            logits = self._runner.forward(items)
+            for s, item in zip(scheduled, items, strict=True):
+                if item.prompt_logprobs is not None:
+                    s.seq.store_prompt_logprobs(s.start_pos, item.prompt_logprobs)
+            return scheduled, logits, []
         except Exception as exc:  # noqa: BLE001 - isolated below; the culprit's error is logged and reported
             if len(scheduled) == 1:
                 return [], self._no_logits(), [(scheduled[0], f"forward raised {type(exc).__name__}: {exc}")]
@@ -584,8 +670,10 @@ class LLMEngine:
         assert self._scheduler is not None
         if req.session is not None and req.session not in self._released_sessions:
             assert self._kv is not None
-            # NOTE: recorded before the blocks are freed, while every computed block is still cached.
-            self._sessions.record(req.session, self._kv.cached_chain(seq.root, seq.all_token_ids))
+            # NOTE: recorded before the blocks are freed, while the request still knows where it stopped publishing.
+            chain = self._kv.session_chain(seq.request_id, seq.root, seq.all_token_ids, seq.publish_limit)
+            self._sessions.record(req.session, chain)
+            self._session_roots[req.session] = seq.root
         if not seq.is_finished:
             self._scheduler.finish(seq, status)
         del self._requests[seq.request_id]
@@ -596,7 +684,9 @@ class LLMEngine:
         c.prompt_tokens += stats.prompt_tokens
         c.cached_tokens += stats.cached_tokens
         c.generated_tokens += stats.completion_tokens
-        req.sink(RequestFinished(seq.request_id, reason, "".join(req.pieces), tuple(seq.output_token_ids), stats))
+        logprobs = None if seq.prompt_logprobs is None else tuple(seq.prompt_logprobs)
+        text = "".join(req.pieces)
+        req.sink(RequestFinished(seq.request_id, reason, text, tuple(seq.output_token_ids), stats, logprobs))
 
     def _apply_aborts(self) -> None:
         assert self._scheduler is not None
@@ -658,6 +748,7 @@ def _batch_items(scheduled: list[ScheduledSeq]) -> list[BatchItemT]:
             s.need_logits,
             prompt=s.start_pos + s.num_new_tokens <= s.seq.num_prompt_tokens,
             request_id=s.seq.request_id,
+            logprob_targets=s.seq.logprob_targets(s.start_pos, s.start_pos + s.num_new_tokens),
         )
         for s in scheduled
     ]
@@ -677,6 +768,8 @@ def _request_stats(seq: Seq, first_token_time: float | None, now: float) -> Requ
         decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
         queue_s=queue_s,
         num_preemptions=seq.num_preemptions,
+        prompt_tokens_by_type=seq.spans.tokens_by_type(0, seq.num_prompt_tokens),
+        cached_tokens_by_type=seq.spans.tokens_by_type(0, seq.num_cached_tokens),
     )
 
 

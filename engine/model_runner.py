@@ -31,6 +31,10 @@ class BatchItem:
     need_logits: bool  # False for a prefill chunk that does not end the prompt
     prompt: bool = False  # the tokens are prompt tokens (a lone one is attended as a prefill chunk: paged_attention)
     request_id: str = ""  # whose tokens these are (for logs and fault injection, engine.testing)
+    # Prompt log-probabilities: the ids that follow the item's first len(logprob_targets) tokens; ``forward`` fills
+    # ``prompt_logprobs[i]`` with log p(logprob_targets[i] | every token up to and including token_ids[i]).
+    logprob_targets: list[int] | None = None
+    prompt_logprobs: list[float] | None = None
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
@@ -47,6 +51,8 @@ def num_blocks_for_budget(spec: ModelSpec, max_kv_memory_mb: int, block_size: in
         )
     return int(blocks)
 
+
+_LOGPROB_ROWS = 256  # prompt log-probability rows per LM-head call (bounds the logits held at once)
 
 ForwardHook = Callable[[list[BatchItem], torch.Tensor], None]
 
@@ -152,10 +158,35 @@ class ModelRunner:
             rows = torch.empty(0, dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
-        logits = self.model.forward(input_ids, pos, plan, self.kv_pool, rows)
+        if any(item.logprob_targets for item in items):
+            hidden = self.model.hidden_states(input_ids, pos, plan, self.kv_pool)
+            logits = self.model.logits(hidden if rows is None else hidden.index_select(0, rows))
+            self._prompt_logprobs(items, hidden)
+        else:
+            logits = self.model.forward(input_ids, pos, plan, self.kv_pool, rows)
         if self.fault_hook is not None:
             self.fault_hook(items, logits)
         return logits
+
+    def _prompt_logprobs(self, items: list[BatchItem], hidden: torch.Tensor) -> None:
+        """Fill ``prompt_logprobs`` of the items that ask for it from the step's hidden states.
+
+        NOTE: log-softmax and gather run here, ``_LOGPROB_ROWS`` rows at a time, so neither a [tokens x vocab] tensor
+        leaves the runner nor more than ``_LOGPROB_ROWS`` rows of logits exist at once (the vocab may be ~50k). The
+        rows go through the same final norm and LM head as the sampled rows.
+        """
+        first = 0
+        for item in items:
+            targets = item.logprob_targets
+            if targets:
+                out: list[float] = []
+                for at in range(0, len(targets), _LOGPROB_ROWS):
+                    chunk = targets[at : at + _LOGPROB_ROWS]
+                    logits = self.model.logits(hidden[first + at : first + at + len(chunk)])
+                    index = torch.tensor(chunk, device=logits.device).unsqueeze(1)
+                    out += torch.log_softmax(logits, dim=-1).gather(1, index).squeeze(1).tolist()
+                item.prompt_logprobs = out
+            first += len(item.token_ids)
 
     def _check(self, item: BatchItem) -> None:
         end = item.start_pos + len(item.token_ids)
@@ -171,6 +202,9 @@ class ModelRunner:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         if min(item.block_table) < 0 or max(item.block_table) >= self.num_blocks:
             raise ValueError(f"block id out of range [0, {self.num_blocks})")
+        targets = item.logprob_targets or []
+        if len(targets) > len(item.token_ids) or any(not 0 <= t < self.vocab_size for t in targets):
+            raise ValueError("logprob_targets must be at most one per token, each in the vocabulary")
 
     def clear_blocks(self, block_ids: list[int]) -> None:
         """Zero the K/V of ``block_ids`` (after a failed step, before the blocks go back to the free queue)."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -22,6 +23,10 @@ class RequestStats:
     decode_tokens_per_s: float  # (completion_tokens - 1) / (finish - first token); 0 for a single token
     queue_s: float  # arrival → first scheduled
     num_preemptions: int
+    # Per block type (``engine.prompt``; "untyped" for a prompt without segments): prompt tokens, and of those the
+    # ones served from the prefix cache (at first admission). Each adds up to prompt_tokens / cached_tokens.
+    prompt_tokens_by_type: Mapping[str, int] = field(default_factory=dict)
+    cached_tokens_by_type: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +43,8 @@ class RequestFinished:
     text: str  # the whole completion text (deltas concatenated)
     token_ids: tuple[int, ...]
     stats: RequestStats
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, log p(token p | tokens 0..p-1); None at p = 0.
+    prompt_logprobs: tuple[float | None, ...] | None = None
 
 
 GenerationEvent = TokenDelta | RequestFinished

@@ -27,6 +27,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
+    # vLLM's ``prompt_logprobs`` (for scoring text, not chatting): ``RequestFinished.prompt_logprobs`` holds, for each
+    # prompt position p >= 1, log p(token p | tokens 0..p-1). Such a request takes no prefix-cache hit.
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -62,6 +65,8 @@ class SamplingParams:
             raise bad("stop_token_ids must be non-negative integers")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise bad("stop strings must be non-empty strings")
+        if not isinstance(self.prompt_logprobs, bool):
+            raise bad(f"prompt_logprobs must be a boolean, got {self.prompt_logprobs!r}")
         if len(self.stop) > 16:
             raise bad(f"at most 16 stop strings are allowed, got {len(self.stop)}")
 

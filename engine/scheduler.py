@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.errors import EngineBusy, InvalidRequestError
-from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.kv_cache_manager import KVCacheManager, MatchResult
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -201,14 +201,21 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence, step: _Step) -> bool:
-        match = self.kv.match_prefix(seq.root, seq.all_token_ids)
+        # NOTE: a cached block holds K/V, never logits, so a request that wants prompt log-probabilities computes its
+        # whole prompt (vLLM does the same); it still publishes its blocks for others.
+        if seq.params.prompt_logprobs:
+            match = MatchResult(num_query_tokens=seq.num_tokens)
+        else:
+            match = self.kv.match_prefix(seq.root, seq.all_token_ids)
         num_new = min(seq.num_tokens - match.num_cached_tokens, step.budget)
-        if not self.kv.allocate_slots(seq.request_id, match.num_cached_tokens + num_new, match):
+        if not self.kv.allocate_slots(seq.request_id, match.num_cached_tokens + num_new, match, seq.spans):
             if self.running:
                 return False  # FCFS: the head waits for blocks; nobody overtakes it
             self._reject(seq, step)
             return True
         self.waiting.popleft()
+        if seq.publish_limit is not None:  # (set while it waited, or before a preemption freed its blocks)
+            self.kv.stop_publishing(seq.request_id, seq.publish_limit)
         seq.status = SequenceStatus.RUNNING
         seq.num_computed_tokens = match.num_cached_tokens
         if seq.first_scheduled_time is None:

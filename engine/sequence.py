@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import EmptyPromptError
 from engine.kv.block_hash import BlockHash
+from engine.kv.block_meta import SpanMap
 from engine.sampling_params import SamplingParams
 
 
@@ -42,10 +43,29 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    spans: SpanMap = field(default_factory=SpanMap)  # block type of each position (engine.prompt); the rest: fill
+    # An invalidation reached this request: its blocks from this index on are never published (engine.invalidate).
+    publish_limit: int | None = None
+    # With params.prompt_logprobs: log p(prompt token p | tokens before it) at index p (None at 0 and until computed).
+    prompt_logprobs: list[float | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise EmptyPromptError()
+        if self.params.prompt_logprobs and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    def logprob_targets(self, start: int, end: int) -> list[int] | None:
+        """For a step computing positions ``start .. end - 1``: the prompt tokens its leading rows predict (those at
+        ``start + 1 .. min(end, num_prompt_tokens - 1)``); None when the request wants no prompt log-probabilities."""
+        if self.prompt_logprobs is None:
+            return None
+        return self.prompt_token_ids[start + 1 : min(end + 1, len(self.prompt_token_ids))]
+
+    def store_prompt_logprobs(self, start: int, values: list[float]) -> None:
+        """Record the values a step computed for positions ``start + 1 ..`` (a recompute writes the same slots)."""
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs[start + 1 : start + 1 + len(values)] = values
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -18,6 +18,8 @@ before the first stop string to complete (when no prompt context is given; with 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import os
 import re
@@ -25,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError
@@ -50,6 +53,9 @@ _REPLACEMENT_CHAR = "\ufffd"
 # "\ue000" itself is escaped too, so every one in the rendered text opens a placeholder.
 _ESCAPE_OPEN, _ESCAPE_CLOSE = "\ue000", "\ue001"
 _ESCAPED = re.compile(f"{_ESCAPE_OPEN}(\\d+){_ESCAPE_CLOSE}")
+
+Offsets = list[tuple[int, int]]  # per token, its character span in the rendered (escaped) text
+TEMPLATE_OWNER = -1  # ``apply_chat_template_segments``: a token no segment owns (role markers, generation prompt)
 
 
 class Tokenizer:
@@ -86,7 +92,7 @@ class Tokenizer:
 
         Message content is always plain text: a control-token string in it (``<|im_start|>``, ``<s>``, ...) encodes
         as the characters it is made of, never as the control token. Only the template's own markers are control
-        tokens.
+        tokens. A template that refuses the conversation raises ``InvalidRequestError`` with its message.
         """
         _check_messages(messages)
         originals: list[str] = []
@@ -96,13 +102,46 @@ class Tokenizer:
             # NOTE: no content holds a control-token string, so every one in the text is the template's: one encode
             # of the whole text keeps the ids exactly what they always were (prefix-cache reuse relies on it).
             return self.encode(text, add_special_tokens=False)
-        return self._encode_escaped(text, originals)
+        return self._encode_escaped(text, originals)[0]
+
+    def apply_chat_template_segments(
+        self, messages: Sequence[tuple[str, Sequence[str]]], add_generation_prompt: bool = True
+    ) -> tuple[list[int], list[int]]:
+        """``apply_chat_template`` for messages ``(role, segment texts)`` whose content is the segments joined.
+
+        Returns the same ids ``apply_chat_template`` gives the joined messages, and for each token the number of the
+        segment (counted across the conversation, in order) it belongs to, or ``TEMPLATE_OWNER``. A token belongs to
+        the segment holding its first character (its last when the first is the template's); a segment the template
+        does not copy verbatim into the text owns no token (its tokens count as the template's).
+        """
+        plain = [{"role": role, "content": "".join(parts)} for role, parts in messages]
+        _check_messages(plain)
+        originals: list[str] = []
+        escaped: list[dict[str, str]] = []
+        cuts: list[list[tuple[int, int]]] = []  # per message: each segment's span in its escaped content
+        for message, (_, parts) in zip(plain, messages, strict=True):
+            content, to_escaped = self._escape_mapped(message["content"], originals)
+            ends = list(itertools.accumulate(len(p) for p in parts))
+            cuts.append([(to_escaped(a), to_escaped(b)) for a, b in zip([0, *ends], ends, strict=False)])
+            escaped.append({**message, "content": content})
+        text = self._render(escaped, add_generation_prompt)
+        if originals:
+            ids, offsets = self._encode_escaped(text, originals)
+        else:
+            encoding = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets = list(encoding["input_ids"]), list(encoding["offset_mapping"])
+        return ids, _owners(offsets, _segment_ranges(text, escaped, cuts))
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         template = None if self.hf.chat_template else FALLBACK_CHAT_TEMPLATE
-        text = self.hf.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        try:
+            text = self.hf.apply_chat_template(
+                messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except TemplateError as exc:
+            # NOTE: templates refuse conversations they cannot render (Mistral v0.1 and a system message, roles that
+            # do not alternate) with ``raise_exception``: the request is wrong, not the engine.
+            raise InvalidRequestError(f"the model's chat template refused the conversation: {exc}") from exc
         assert isinstance(text, str)  # tokenize=False on a single conversation returns the rendered string
         return text
 
@@ -115,55 +154,117 @@ class Tokenizer:
 
         return self._escapable.sub(placeholder, content)
 
-    def _encode_escaped(self, text: str, originals: list[str]) -> list[int]:
+    def _escape_mapped(self, content: str, originals: list[str]) -> tuple[str, Callable[[int], int]]:
+        """``_escape``, plus a map from a position in ``content`` to the same place in the escaped text (a position
+        inside an escaped string maps to its placeholder's start)."""
+        first = len(originals)
+        escaped = self._escape(content, originals)
+        moves: list[tuple[int, int, int]] = []  # (start, end) in content, growth of the text there
+        for i, m in enumerate(self._escapable.finditer(content)):
+            moves.append((m.start(), m.end(), len(f"{_ESCAPE_OPEN}{first + i}{_ESCAPE_CLOSE}") - (m.end() - m.start())))
+
+        def to_escaped(pos: int) -> int:
+            shift = 0
+            for start, end, growth in moves:
+                if pos <= start:
+                    break
+                if pos < end:
+                    return start + shift
+                shift += growth
+            return pos + shift
+
+        return escaped, to_escaped
+
+    def _encode_escaped(self, text: str, originals: list[str]) -> tuple[list[int], Offsets]:
         """Encode rendered text whose content was escaped: the control tokens left in it are the template's markers.
 
         Text between two markers that holds a placeholder is encoded, placeholders restored, with special-token
         parsing off. Every other token keeps the id one encode of the whole text gives it, so the rest of the
         conversation encodes exactly as it would without the escaped content (and its cached prefix still matches).
         NOTE: the template already wrote every special token (BOS included, where the model wants one).
+        Also returns each token's character span in ``text`` (a restored string's tokens map into its placeholder).
         """
-
-        def restore(segment: str) -> str:
-            return _ESCAPED.sub(lambda m: originals[int(m.group(1))], segment)
-
         encoding = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
         whole: list[int] = list(encoding["input_ids"])
-        offsets: list[tuple[int, int]] = list(encoding["offset_mapping"])
+        offsets: Offsets = list(encoding["offset_mapping"])
         markers = [(m.start(), m.end(), self.control_tokens[m.group(0)]) for m in self._control.finditer(text)]
         ids: list[int] = []
+        spans: Offsets = []
         i = pos = 0
         for start, end, marker_id in [*markers, (len(text), len(text), None)]:
             first = i
             while i < len(whole) and offsets[i][0] < start:  # the tokens of the text before this marker
                 i += 1
-            segment = text[pos:start]
-            ids += self._encode_plain(restore(segment)) if _ESCAPE_OPEN in segment else whole[first:i]
+            if _ESCAPE_OPEN in text[pos:start]:
+                piece_ids, piece_spans = self._encode_restored(text, pos, start, originals)
+                ids += piece_ids
+                spans += piece_spans
+            else:
+                ids += whole[first:i]
+                spans += offsets[first:i]
             if marker_id is not None:
                 if i >= len(whole) or whole[i] != marker_id:
                     # NOTE: offsets that do not line up with the markers (an unusual tokenizer): encode every
                     # stretch on its own instead; the markers are still the only control tokens.
-                    return self._encode_segments(text, markers, restore)
+                    return self._encode_segments(text, markers, originals)
                 ids.append(marker_id)
+                spans.append((start, end))
                 i += 1
             pos = end
-        return ids
+        return ids, spans
 
     def _encode_segments(
-        self, text: str, markers: list[tuple[int, int, int]], restore: Callable[[str], str]
-    ) -> list[int]:
+        self, text: str, markers: list[tuple[int, int, int]], originals: list[str]
+    ) -> tuple[list[int], Offsets]:
         """Each marker as its control id, each stretch between two markers encoded on its own as plain text."""
         ids: list[int] = []
+        spans: Offsets = []
         pos = 0
-        for start, end, marker_id in markers:
-            ids += [*self._encode_plain(restore(text[pos:start])), marker_id]
+        for start, end, marker_id in [*markers, (len(text), len(text), None)]:
+            piece_ids, piece_spans = self._encode_restored(text, pos, start, originals)
+            ids += piece_ids
+            spans += piece_spans
+            if marker_id is not None:
+                ids.append(marker_id)
+                spans.append((start, end))
             pos = end
-        return ids + self._encode_plain(restore(text[pos:]))
+        return ids, spans
 
-    def _encode_plain(self, text: str) -> list[int]:
-        if not text:
-            return []
-        return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+    def _encode_restored(self, text: str, start: int, end: int, originals: list[str]) -> tuple[list[int], Offsets]:
+        """``text[start:end]`` with its placeholders restored, encoded as plain text (no control token), with each
+        token's span mapped back into ``text``."""
+        segment = text[start:end]
+        restored: list[str] = []
+        back: list[tuple[int, int, int, int]] = []  # (start in restored, length there, start/end in segment)
+        pos = length = 0
+        for m in _ESCAPED.finditer(segment):
+            restored.append(segment[pos : m.start()])
+            length += m.start() - pos
+            original = originals[int(m.group(1))]
+            back.append((length, len(original), m.start(), m.end()))
+            restored.append(original)
+            length += len(original)
+            pos = m.end()
+        restored.append(segment[pos:])
+        plain = "".join(restored)
+        if not plain:
+            return [], []
+        encoding = self.hf(plain, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+
+        def to_text(r: int, is_end: bool) -> int:
+            """A token's start (``is_end`` False) or end inside a restored string maps to its placeholder's start or
+            end, so the token keeps a non-empty span."""
+            shift = 0
+            for at, size, seg_start, seg_end in back:
+                if r < at or (is_end and r == at):
+                    break
+                if r < at + size or (is_end and r == at + size):
+                    return start + (seg_end if is_end else seg_start)
+                shift = seg_end - (at + size)
+            return start + r + shift
+
+        offsets = [(to_text(a, False), to_text(b, True)) for a, b in encoding["offset_mapping"]]
+        return list(encoding["input_ids"]), offsets
 
 
 def _eos_token_ids(hf: PreTrainedTokenizerBase, folder: Path) -> tuple[int, ...]:
@@ -188,6 +289,59 @@ def _control_tokens(hf: PreTrainedTokenizerBase) -> dict[str, int]:
         if token and isinstance(token_id, int):
             ids.setdefault(token, token_id)
     return {t: ids[t] for t in sorted(ids, key=lambda t: (-len(t), t))}
+
+
+def _segment_ranges(
+    text: str, messages: list[dict[str, str]], cuts: list[list[tuple[int, int]]]
+) -> list[tuple[int, int, int]]:
+    """``(start, end, segment number)`` in the rendered text for every segment whose message content is found there
+    verbatim, or with its surrounding whitespace trimmed (Llama 3's template trims), searched in order."""
+    ranges: list[tuple[int, int, int]] = []
+    pos = number = 0
+    for message, message_cuts in zip(messages, cuts, strict=True):
+        content = message["content"]
+        found = _find_content(text, content, pos)
+        if found is not None:
+            origin, first, last = found  # content[0] sits at text[origin]; text[first:last] holds what was found
+            for j, (a, b) in enumerate(message_cuts):
+                a, b = max(origin + a, first), min(origin + b, last)
+                if b > a:
+                    ranges.append((a, b, number + j))
+            pos = last
+        number += len(message_cuts)
+    return ranges
+
+
+def _find_content(text: str, content: str, pos: int) -> tuple[int, int, int] | None:
+    """Where ``content`` (else its trimmed text) is in ``text`` from ``pos`` on: ``(where content[0] would be, start,
+    end of the found text)``; None when it is not there (or empty)."""
+    stripped = content.strip()
+    if not stripped:
+        return None
+    at = text.find(content, pos)
+    if at >= 0:
+        return at, at, at + len(content)
+    at = text.find(stripped, pos)
+    if at < 0:
+        return None
+    lead = len(content) - len(content.lstrip())
+    return at - lead, at, at + len(stripped)
+
+
+def _owners(offsets: Offsets, ranges: list[tuple[int, int, int]]) -> list[int]:
+    """For each token span, the segment whose range holds its first character (else its last), or TEMPLATE_OWNER."""
+    starts = [r[0] for r in ranges]
+
+    def owner(char: int) -> int | None:
+        i = bisect.bisect_right(starts, char) - 1
+        return ranges[i][2] if i >= 0 and char < ranges[i][1] else None
+
+    out = []
+    for start, end in offsets:
+        first = owner(start) if end > start else None
+        last = owner(end - 1) if end > start else None
+        out.append(first if first is not None else last if last is not None else TEMPLATE_OWNER)
+    return out
 
 
 def _alternation(strings: Sequence[str]) -> re.Pattern[str]:

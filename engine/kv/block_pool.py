@@ -9,6 +9,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from engine.kv.block_hash import BlockHash
+from engine.kv.block_meta import BlockMeta
+from engine.kv.dependency_index import DependencyIndex
 
 
 @dataclass(slots=True, eq=False)
@@ -19,6 +21,8 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None
+    meta: BlockMeta | None = None  # block types / semantic ids it covers (set with the hash)
+    num_hits: int = 0  # prefix hits since it was published
     # Links of the free queue; both are None exactly when the block is not in the queue.
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
@@ -110,6 +114,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
+        self.deps = DependencyIndex()
+        self.num_published = 0  # blocks ever published
+        self._num_retired_reused = 0  # blocks unpublished after at least one hit
 
     @property
     def num_free_blocks(self) -> int:
@@ -123,6 +130,11 @@ class BlockPool:
     def num_evictable_blocks(self) -> int:
         """Free blocks that still hold a published prefix (a hit would revive them)."""
         return sum(1 for block in self.cached.values() if block.ref_cnt == 0)
+
+    @property
+    def num_reused(self) -> int:
+        """Published blocks (still cached or not) that were hit at least once."""
+        return self._num_retired_reused + sum(1 for block in self.cached.values() if block.num_hits)
 
     def free_block_ids(self) -> list[int]:
         """Free block ids in eviction order (for tests and debugging)."""
@@ -185,17 +197,37 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> bool:
+    def cache_block(
+        self,
+        block: KVBlock,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        *,
+        parent: BlockHash | None = None,
+        root: BlockHash | None = None,
+        meta: BlockMeta | None = None,
+    ) -> bool:
         """Publish a full block under ``block_hash``. Returns False (and leaves the block unpublished) when another
-        block already holds that hash: the first copy stays the canonical one, the map never points at two blocks."""
+        block already holds that hash: the first copy stays the canonical one, the map never points at two blocks.
+
+        ``parent`` and ``root`` (both or neither) link it into ``deps``, the dependency index.
+        """
         if block.block_hash is not None:
             raise ValueError(f"{block} is already published")
         if block_hash in self.cached:
             return False
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.meta = meta
         self.cached[block_hash] = block
+        self.num_published += 1
+        if parent is not None and root is not None:
+            self.deps.add(block_hash, parent, root)
         return True
+
+    def unpublish(self, block: KVBlock) -> None:
+        """Drop a block's hash whether or not it is in use: no later match finds it; holders keep reading its K/V."""
+        self._evict(block)
 
     def evict_free_blocks(self, blocks: Sequence[KVBlock]) -> None:
         """Drop the hash of each free block and move it to the head of the free queue, ``blocks[0]`` first in line.
@@ -217,5 +249,9 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            self.deps.remove(block.block_hash)
+            self._num_retired_reused += block.num_hits > 0
         block.block_hash = None
         block.token_ids = None
+        block.meta = None
+        block.num_hits = 0

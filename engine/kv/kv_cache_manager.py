@@ -9,16 +9,20 @@ Protocol for one request (the scheduler drives it)::
     kv.free(rid)                                                 # when the request finishes or is preempted
 
 When a chat session closes, ``kv.evict_cached(session_index.release(key))`` drops the cached blocks only that session
-wanted (see ``engine.kv.session_index``).
+wanted (see ``engine.kv.session_index``). When part of a context changes, ``kv.invalidate(hashes, root=...)`` frees
+those blocks and every cached block that depends on them (``engine.kv.dependency_index``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass, field
 
-from engine.kv.block_hash import BlockHash, hash_block
+from engine.kv.block_hash import BlockHash, hash_block, hash_chain
+from engine.kv.block_meta import SpanMap
 from engine.kv.block_pool import BlockPool, KVBlock
+from engine.kv.cache_stats import CacheStats, CacheStatsRecorder
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +50,19 @@ class KVCacheUsage:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class InvalidationResult:
+    blocks_freed: int  # cached blocks freed now
+    tokens_freed: int
+    deferred: int  # blocks in-flight requests hold: unpublished now, back in the free queue when released
+
+
 @dataclass(slots=True)
 class _RequestBlocks:
     blocks: list[KVBlock] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)  # chain hashes of blocks[: len(hashes)]
+    spans: SpanMap = field(default_factory=SpanMap)
+    publish_limit: int | None = None  # blocks at this index or later are never published (an invalidation hit them)
 
 
 class KVCacheManager:
@@ -60,8 +73,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._requests: dict[str, _RequestBlocks] = {}
-        self._num_query_tokens = 0
-        self._num_hit_tokens = 0
+        self._stats = CacheStatsRecorder()
 
     @property
     def num_blocks(self) -> int:
@@ -99,25 +111,35 @@ class KVCacheManager:
         """Whether ``allocate_slots`` with the same arguments would succeed. No side effects."""
         return self._num_new_blocks(request_id, num_total_tokens, match) <= self._free_after_touch(match)
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int, match: MatchResult | None = None) -> bool:
+    def allocate_slots(
+        self, request_id: str, num_total_tokens: int, match: MatchResult | None = None, spans: SpanMap | None = None
+    ) -> bool:
         """Make the request's block table cover ``num_total_tokens`` tokens.
 
-        ``match`` is only for a request's first allocation: its blocks are shared (ref + 1, revived from the free queue
-        when they were free). Returns False and changes nothing when the pool is short of blocks.
+        ``match`` and ``spans`` are only for a request's first allocation: the match's blocks are shared (ref + 1,
+        revived from the free queue when they were free); ``spans`` labels the request's token positions (block
+        types for the stats and for each block it publishes). Returns False and changes nothing when the pool is short
+        of blocks.
         """
         num_new = self._num_new_blocks(request_id, num_total_tokens, match)
         if num_new > self._free_after_touch(match):
             return False
-        state = self._requests.setdefault(request_id, _RequestBlocks())
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _RequestBlocks(spans=spans or SpanMap())
         if match is not None:
             hit_blocks = [self.pool.blocks[i] for i in match.blocks]
             if any(b.block_hash != h for b, h in zip(hit_blocks, match.block_hashes, strict=True)):
                 raise ValueError("stale MatchResult: a matched block was reused; match and allocate in the same step")
             self.pool.touch(hit_blocks)
+            for block in hit_blocks:
+                block.num_hits += 1
             state.blocks.extend(hit_blocks)
             state.hashes.extend(match.block_hashes)
-            self._num_query_tokens += match.num_query_tokens
-            self._num_hit_tokens += match.num_cached_tokens
+            self._stats.lookup(
+                state.spans.tokens_by_type(0, match.num_query_tokens),
+                state.spans.tokens_by_type(0, match.num_cached_tokens),
+            )
         if num_new > 0:
             state.blocks.extend(self.pool.get_new_blocks(num_new, after=state.blocks[-1] if state.blocks else None))
         return True
@@ -135,11 +157,40 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(state.hashes), num_full):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            block_hash = hash_block(state.hashes[-1] if state.hashes else root, tokens)
+            parent = state.hashes[-1] if state.hashes else root
+            block_hash = hash_block(parent, tokens)
             state.hashes.append(block_hash)
+            if state.publish_limit is not None and i >= state.publish_limit:
+                continue
             # NOTE: when another block already holds this hash (two requests prefilled the same prefix at once) the
             # existing mapping wins and this block simply stays unpublished; it is freed like any other block.
-            self.pool.cache_block(state.blocks[i], block_hash, tokens)
+            meta = state.spans.block_meta(i * bs, (i + 1) * bs)
+            self.pool.cache_block(state.blocks[i], block_hash, tokens, parent=parent, root=root, meta=meta)
+
+    def request_hashes(self, request_id: str) -> tuple[BlockHash, ...]:
+        """Chain hashes of the request's full blocks computed so far (published or not), in chain order."""
+        state = self._requests.get(request_id)
+        return () if state is None else tuple(state.hashes)
+
+    def session_chain(
+        self, request_id: str, root: BlockHash, token_ids: Sequence[int], publish_limit: int | None = None
+    ) -> list[BlockHash]:
+        """What a chat session should remember of this request: the chain hash of every full block of ``token_ids``,
+        cut where an invalidation stopped the request publishing (``publish_limit``, or ``stop_publishing``).
+
+        NOTE: every full block, cached or not, so that index ``i`` of a recorded chain is block ``i`` of the
+        conversation: an invalidation from token position ``p`` starts at chain index ``p // block_size``.
+        """
+        chain = hash_chain(root, token_ids, self.block_size)
+        state = self._requests.get(request_id)
+        limits = [n for n in (publish_limit, state.publish_limit if state else None) if n is not None]
+        return chain[: min(limits)] if limits else chain
+
+    def stop_publishing(self, request_id: str, from_block: int) -> None:
+        """The request publishes none of its blocks at index ``from_block`` or later (an invalidation reached it)."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.publish_limit = from_block if state.publish_limit is None else min(state.publish_limit, from_block)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks. Unknown ids are ignored (a waiting request holds no blocks)."""
@@ -168,7 +219,7 @@ class KVCacheManager:
                 out.append(parent)
         return out
 
-    def evict_cached(self, hashes: Sequence[BlockHash]) -> int:
+    def evict_cached(self, hashes: Sequence[BlockHash], reason: str | None = None) -> int:
         """Drop the cached blocks of ``hashes`` that no request holds; returns how many were evicted.
 
         Each evicted block loses its hash (later matches miss it) and moves to the head of the free queue, in the order
@@ -188,7 +239,50 @@ class KVCacheManager:
             seen.add(block.block_id)
             victims.append(block)
         self.pool.evict_free_blocks(victims)
+        if reason is not None:
+            self._stats.invalidated(reason, len(victims), len(victims) * self.block_size, 0)
         return len(victims)
+
+    def invalidate(
+        self,
+        hashes: Iterable[BlockHash],
+        *,
+        root: BlockHash,
+        protected: Set[BlockHash] = frozenset(),
+        reason: str = "invalidated",
+    ) -> InvalidationResult:
+        """Free the cached blocks of ``hashes`` and every cached block that depends on them (their subtrees).
+
+        Only blocks of the chain rooted at ``root`` are touched (a namespace reaches its own blocks only); blocks in
+        ``protected`` (wanted by other sessions, the shared prefix) are kept, their unprotected descendants are not.
+        A block a running request holds is unpublished now and freed when its last holder releases it; each holder
+        publishes nothing from that block on. Freed blocks go to the head of the free queue, descendants first.
+        """
+        deps = self.pool.deps
+        targets: dict[BlockHash, None] = {}
+        for block_hash in hashes:
+            targets.update(dict.fromkeys(h for h in deps.subtree(block_hash) if deps.root_of(h) == root))
+        victims: list[KVBlock] = []
+        deferred = 0
+        for block_hash in targets:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None or block_hash in protected:
+                continue
+            if block.ref_cnt == 0:
+                victims.append(block)
+                continue
+            # NOTE: a running request is still reading this block's K/V (and may be writing the blocks after it):
+            # it keeps the block until it finishes, but no later match may find the block or what follows it.
+            self.pool.unpublish(block)
+            deferred += 1
+            for rid, state in self._requests.items():
+                if block in state.blocks:
+                    self.stop_publishing(rid, state.blocks.index(block))
+        victims.reverse()  # NOTE: descendants first, so a chain's tail is handed out before its head
+        self.pool.evict_free_blocks(victims)
+        result = InvalidationResult(len(victims), len(victims) * self.block_size, deferred)
+        self._stats.invalidated(reason, result.blocks_freed, result.tokens_freed, deferred)
+        return result
 
     def block_table(self, request_id: str) -> list[int]:
         """Physical block ids of the request in logical order (empty for an unknown request)."""
@@ -203,9 +297,16 @@ class KVCacheManager:
             num_used_blocks=pool.num_blocks - pool.num_free_blocks,
             num_cached_blocks=pool.num_cached_blocks,
             num_evictable_blocks=pool.num_evictable_blocks,
-            num_query_tokens=self._num_query_tokens,
-            num_hit_tokens=self._num_hit_tokens,
+            num_query_tokens=self._stats.num_query_tokens,
+            num_hit_tokens=self._stats.num_hit_tokens,
         )
+
+    def cache_stats(self) -> CacheStats:
+        by_type: Counter[str] = Counter()
+        for block in self.pool.cached.values():
+            if block.meta is not None:
+                by_type.update(block.meta.block_types)
+        return self._stats.snapshot(self.pool.num_published, self.pool.num_reused, by_type)
 
     def _num_new_blocks(self, request_id: str, num_total_tokens: int, match: MatchResult | None) -> int:
         state = self._requests.get(request_id)

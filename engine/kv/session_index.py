@@ -2,7 +2,9 @@
 
 The engine records a session's chain (prompt + generated full blocks of its most recent request) when the request
 finishes. When the session closes (inactivity timeout, admin close) ``release`` returns the hashes no other session
-references any more, and ``KVCacheManager.evict_cached`` drops those that no running request holds either.
+references any more, and ``KVCacheManager.evict_cached`` drops those that no running request holds either. When part
+of its context changes, ``truncate`` cuts the chain where the change starts, and ``wanted_by_others`` names the hashes
+an invalidation must keep (``KVCacheManager.invalidate``).
 
 Pure bookkeeping over hashes: it never looks at the pool, so a hash it returns may already have been evicted by LRU.
 """
@@ -34,6 +36,20 @@ class SessionIndex:
     def sessions_of(self, block_hash: BlockHash) -> int:
         """How many sessions reference ``block_hash``."""
         return self._sessions_per_hash.get(block_hash, 0)
+
+    def wanted_by_others(self, session_key: str | None) -> set[BlockHash]:
+        """Hashes some session other than ``session_key`` references (every referenced hash when it is None).
+
+        NOTE: a scan of every indexed hash: invalidations follow context edits and topic shifts, not tokens, and a
+        per-session reverse index would cost memory on every record instead.
+        """
+        own = set(self._chains.get(session_key, ())) if session_key is not None else set()
+        return {h for h, n in self._sessions_per_hash.items() if n > (h in own)}
+
+    def truncate(self, session_key: str, num_blocks: int) -> None:
+        """Keep only the first ``num_blocks`` hashes of the session's chain (an invalidation took the rest)."""
+        if session_key in self._chains:
+            self.record(session_key, self._chains[session_key][:num_blocks])
 
     def record(self, session_key: str, chain: Sequence[BlockHash]) -> None:
         """Set the session's chain, replacing its previous one (counts of hashes it no longer lists drop by one)."""

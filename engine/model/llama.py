@@ -316,14 +316,22 @@ class LlamaModel:
     ) -> torch.Tensor:
         """``input_ids``/``positions``: ``[N]``; returns float32 logits ``[len(logit_rows), vocab]`` (all rows when
         ``logit_rows`` is None)."""
+        x = self.hidden_states(input_ids, positions, plan, kv_pool)
+        return self.logits(x if logit_rows is None else x.index_select(0, logit_rows))
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, kv_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """The last layer's output ``[N, hidden]`` (before the final norm), writing each layer's K/V into the pool."""
         x = F.embedding(input_ids, self.weights.embed)
         rope = _Rope(self.rope, positions)
         for i, layer in enumerate(self.weights.layers):
             x = self._layer(x, layer, rope, plan, kv_pool[i])
-        if logit_rows is not None:
-            x = x.index_select(0, logit_rows)
-        x = self._norm(x, self.weights.norm)
-        return linear(x, self.weights.lm_head).float()
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of rows of ``hidden_states``: the final norm, then the LM head."""
+        return linear(self._norm(hidden, self.weights.norm), self.weights.lm_head).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and cpu_kernels.norm_supported(x, weight, None):

@@ -402,9 +402,10 @@ def test_the_stretch_by_stretch_fallback_agrees_with_the_splice_on_byte_level_bp
     originals: list[str] = []
     text = tok._render([{**m, "content": tok._escape(m["content"], originals)} for m in messages], True)
     markers = [(m.start(), m.end(), tok.control_tokens[m.group(0)]) for m in tok._control.finditer(text)]
-    fallback = tok._encode_segments(text, markers, lambda s: s.replace("\ue0000\ue001", "<|im_end|>"))
+    fallback, spans = tok._encode_segments(text, markers, originals)
     assert originals == ["<|im_end|>"]
     assert fallback == tok.apply_chat_template(messages)
+    assert (fallback, spans) == tok._encode_escaped(text, originals)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
-"""Stateful property test: random admit / extend / free / finish / close-session sequences never break the pool's
-invariants, and closing a session never touches a block another session or a running request still uses."""
+"""Stateful property test: random admit / extend / free / finish / close-session / invalidate sequences never break
+the pool's invariants; closing a session never touches a block another session or a running request still uses, and
+an invalidation frees a block's whole unprotected subtree, never a protected block, and never a held block's K/V."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class KVMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.index = SessionIndex()
         self.chains: dict[str, list[BlockHash]] = {}  # model of the index: session -> recorded chain
+        self.dropped_held: set[int] = set()  # blocks an invalidation unpublished while requests held them
 
     def _compute(self, rid: str) -> None:
         req = self.reqs[rid]
@@ -118,6 +120,32 @@ class KVMachine(RuleBasedStateMachine):
             assert block.block_hash is None
             assert block.token_ids is None
 
+    @precondition(lambda self: bool(self.reqs) or bool(self.chains))
+    @rule(pick=st.integers(0, 1000), depth=st.integers(0, 5), ns=st.sampled_from(ROOTS))
+    def invalidate(self, pick: int, depth: int, ns: BlockHash) -> None:
+        """Invalidate one block of a running request's or a session's chain, protecting the other sessions' chains."""
+        chains = [hash_chain(r.root, r.tokens, BS) for _, r in sorted(self.reqs.items())] + list(self.chains.values())
+        chain = chains[pick % len(chains)]
+        if not chain:
+            return
+        target = chain[min(depth, len(chain) - 1)]
+        owner = sorted(self.chains)[pick % len(self.chains)] if self.chains else None
+        protected = {h for s, c in self.chains.items() if s != owner for h in c}
+        pool = self.kv.pool
+        subtree = [h for h in pool.deps.subtree(target) if pool.deps.root_of(h) == ns]
+        before = {h: pool.cached[h] for h in subtree}
+        free_victims = [b for h, b in before.items() if h not in protected and b.ref_cnt == 0]
+        held_victims = [b for h, b in before.items() if h not in protected and b.ref_cnt > 0]
+        refs_before = [b.ref_cnt for b in pool.blocks]
+        result = self.kv.invalidate([target], root=ns, protected=protected)
+        assert (result.blocks_freed, result.deferred) == (len(free_victims), len(held_victims))
+        assert result.tokens_freed == BS * len(free_victims)
+        assert [b.ref_cnt for b in pool.blocks] == refs_before
+        assert pool.free_block_ids()[: len(free_victims)] == [b.block_id for b in free_victims][::-1]
+        for h, block in before.items():
+            assert (pool.cached.get(h) is block) == (h in protected)
+        self.dropped_held.update(b.block_id for b in held_victims)
+
     @invariant()
     def session_counts_match_the_chains(self) -> None:
         assert len(self.index) == len(self.chains)
@@ -158,8 +186,10 @@ class KVMachine(RuleBasedStateMachine):
             holders.update(table)
         for block in self.kv.pool.blocks:
             assert block.ref_cnt == holders[block.block_id]
+            if block.ref_cnt == 0:
+                self.dropped_held.discard(block.block_id)
             if holders[block.block_id] > 1:
-                assert block.block_hash is not None
+                assert block.block_hash is not None or block.block_id in self.dropped_held
 
     @invariant()
     def published_blocks_hold_exactly_their_tokens(self) -> None:

@@ -103,3 +103,20 @@ def test_a_hash_listed_twice_counts_once() -> None:
     assert index.sessions_of(ALICE[0]) == 2
     assert index.release("alice") == []
     assert index.sessions_of(ALICE[0]) == 1
+
+
+def test_wanted_by_others_and_truncate() -> None:
+    index = SessionIndex()
+    index.record("alice", ALICE)
+    index.record("bob", BOB)
+    assert index.wanted_by_others("alice") == set(BOB)
+    assert index.wanted_by_others("bob") == set(ALICE)
+    assert index.wanted_by_others(None) == set(ALICE) | set(BOB)
+    assert index.wanted_by_others("carol") == set(ALICE) | set(BOB)
+    index.truncate("alice", 3)
+    assert index.chain("alice") == tuple(ALICE[:3])
+    assert index.sessions_of(ALICE[3]) == 0
+    assert index.sessions_of(ALICE[0]) == 2
+    index.truncate("carol", 0)  # unknown: ignored
+    assert "carol" not in index
+    assert index.release("alice") == [ALICE[2]]
