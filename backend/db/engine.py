@@ -1,12 +1,22 @@
-"""Async SQLAlchemy engine and session factory (Postgres via asyncpg, SQLite via aiosqlite)."""
+"""Async SQLAlchemy engine and session factory (Postgres via asyncpg, SQLite via aiosqlite).
+
+A serving process names its Postgres connections ``kvchat-worker:<pid>:<random>`` (``worker_name``), so another process
+starting on the same database can tell that it is not alone (``peer_workers``).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import secrets
 from pathlib import Path
 
-from sqlalchemy import event
-from sqlalchemy.engine import make_url
+from sqlalchemy import event, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+WORKER_PREFIX = "kvchat-worker:"
 
 
 def ensure_sqlite_dir(url: str) -> None:
@@ -16,14 +26,68 @@ def ensure_sqlite_dir(url: str) -> None:
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
 
 
-def create_db_engine(url: str) -> AsyncEngine:
-    parsed = make_url(url)
+SUPPORTED_DRIVERS = ("postgresql+asyncpg", "sqlite+aiosqlite")
+
+
+class UnsupportedDatabaseError(ValueError):
+    """``KVCHAT_DATABASE_URL`` is not a URL, or names a database kvchat does not run on."""
+
+
+def check_database_url(url: str) -> URL:
+    """Parse ``url`` (already normalized by the settings) and refuse anything but Postgres and SQLite."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise UnsupportedDatabaseError(f"{url!r} is not a database URL (e.g. postgresql://host/db)") from exc
+    if parsed.drivername not in SUPPORTED_DRIVERS:
+        raise UnsupportedDatabaseError(
+            f"unsupported database {parsed.drivername!r}: use postgresql://user@host/db or sqlite:///path"
+        )
+    return parsed
+
+
+async def ping(url: str, timeout_s: float = 10.0) -> None:
+    """Connect once and run ``SELECT 1``; raises the driver's error (or ``TimeoutError``) when that fails."""
+    engine = create_db_engine(url)
+    try:
+        async with asyncio.timeout(timeout_s), engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+    finally:
+        await engine.dispose()
+
+
+def worker_name() -> str:
+    """A name for this serving process's database connections, unique among processes."""
+    return f"{WORKER_PREFIX}{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def create_db_engine(url: str, application_name: str | None = None) -> AsyncEngine:
+    """An engine for ``url``; on Postgres its connections carry ``application_name`` (see ``worker_name``)."""
+    parsed = check_database_url(url)
     if parsed.get_backend_name() == "sqlite":
         ensure_sqlite_dir(url)
         engine = create_async_engine(url, connect_args={"timeout": 30})
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
-    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    connect_args = {"server_settings": {"application_name": application_name}} if application_name else {}
+    # NOTE: pre-ping: after a Postgres restart every pooled connection is dead; each is tested and replaced on
+    # checkout instead of failing the first statement of a turn.
+    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, connect_args=connect_args)
+
+
+async def peer_workers(engine: AsyncEngine, own_name: str) -> int:
+    """How many other serving kvchat processes are connected to this database (always 0 on SQLite: one process)."""
+    if engine.dialect.name != "postgresql":
+        return 0
+    async with engine.connect() as conn:
+        count = await conn.scalar(
+            text(
+                "SELECT count(DISTINCT application_name) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name LIKE :prefix AND application_name <> :own"
+            ),
+            {"prefix": WORKER_PREFIX + "%", "own": own_name},
+        )
+    return int(count or 0)
 
 
 def _sqlite_pragmas(dbapi_conn: object, _record: object) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-from backend.db.engine import ensure_sqlite_dir
+from backend.db.engine import check_database_url, ensure_sqlite_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,11 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    """Upgrade the database at ``url``. Blocking (Alembic's env runs its own event loop): call via a thread."""
+    """Upgrade the database at ``url``. Blocking (Alembic's env runs its own event loop): call via a thread.
+
+    Raises ``UnsupportedDatabaseError`` for a URL kvchat does not run on (before any driver is imported).
+    """
+    check_database_url(url)
     ensure_sqlite_dir(url)
     command.upgrade(alembic_config(url), revision)
 

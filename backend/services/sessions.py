@@ -3,10 +3,15 @@
 Per-session ``seq`` is allocated under a row lock on the session (``SELECT … FOR UPDATE`` on Postgres; SQLite
 serialises writers anyway), and the unique constraints (session, seq) and (session, client_msg_id) are the final
 guard against duplicates from another process.
+
+A user message the bot is to answer is stored ``awaiting_reply``; its reply's transaction sets it back to
+``complete``. So a message still awaiting when no process runs its turn was cut off (a crash, a lost database), and
+``settle_interrupted`` gives it its one reply: an empty ``incomplete`` marker.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -83,19 +88,25 @@ async def _next_seq(db: AsyncSession, session_id: str) -> int:
     return int(current or 0) + 1
 
 
-async def add_user_message(db: AsyncSession, session_id: str, client_msg_id: str, text: str) -> tuple[Message, bool]:
-    """Insert the user's message and commit; return ``(message, duplicate)``. Idempotent on ``client_msg_id``."""
+async def add_user_message(
+    db: AsyncSession, session_id: str, client_msg_id: str, text: str, awaiting_reply: bool = False
+) -> tuple[Message, bool]:
+    """Insert the user's message and commit; return ``(message, duplicate)``. Idempotent on ``client_msg_id``.
+
+    ``awaiting_reply``: the bot will answer it (the message is stored ``awaiting_reply`` until its reply is).
+    """
     existing = await find_by_client_msg_id(db, session_id, client_msg_id)
     if existing is not None:
         return existing, True
     session = await _lock_session(db, session_id)
+    status = MessageStatus.AWAITING_REPLY if awaiting_reply else MessageStatus.COMPLETE
     message = Message(
         session_id=session_id,
         seq=await _next_seq(db, session_id),
         role=MessageRole.USER.value,
         content=text,
         client_msg_id=client_msg_id,
-        status=MessageStatus.COMPLETE.value,
+        status=status.value,
     )
     db.add(message)
     session.last_active_at = utcnow()
@@ -111,10 +122,37 @@ async def add_user_message(db: AsyncSession, session_id: str, client_msg_id: str
     return message, False
 
 
+async def await_reply(db: AsyncSession, message: Message) -> None:
+    """Mark a stored user message as owed a reply again (a retry restarts a turn that produced none)."""
+    if message.status != MessageStatus.AWAITING_REPLY.value:
+        await db.execute(
+            update(Message).where(Message.id == message.id).values(status=MessageStatus.AWAITING_REPLY.value)
+        )
+        await db.commit()
+        message.status = MessageStatus.AWAITING_REPLY.value
+
+
 async def add_assistant_message(
-    db: AsyncSession, session_id: str, reply_to_seq: int, text: str, status: MessageStatus, usage: TokenUsage
+    db: AsyncSession,
+    session_id: str,
+    reply_to_seq: int,
+    text: str,
+    status: MessageStatus,
+    usage: TokenUsage,
+    commit_delay_s: float = 0.0,
 ) -> Message:
+    """Store a reply and, in the same transaction, settle the user message it answers (no longer awaiting).
+
+    A user message has at most one reply: when one is already stored (a retried commit that had landed, a marker
+    a restart wrote), that one is returned and nothing is added. ``commit_delay_s`` is a test hook: it holds the
+    transaction open before the commit (crash tests widen that window with it).
+    """
     session = await _lock_session(db, session_id)
+    existing = await find_reply(db, session_id, reply_to_seq)  # NOTE: under the session lock: no race
+    if existing is not None:
+        db.expunge(existing)  # NOTE: kept readable: a rollback expires what the session holds
+        await db.rollback()
+        return existing
     message = Message(
         session_id=session_id,
         seq=await _next_seq(db, session_id),
@@ -128,8 +166,44 @@ async def add_assistant_message(
     )
     db.add(message)
     session.last_active_at = utcnow()
+    await db.execute(
+        update(Message)
+        .where(
+            Message.session_id == session_id,
+            Message.seq == reply_to_seq,
+            Message.status == MessageStatus.AWAITING_REPLY.value,
+        )
+        .values(status=MessageStatus.COMPLETE.value)
+    )
+    if commit_delay_s:
+        await db.flush()
+        await asyncio.sleep(commit_delay_s)
     await db.commit()
     return message
+
+
+async def awaiting_replies(db: AsyncSession) -> list[Message]:
+    """User messages still owed a reply, oldest first (on start: the turns a crash cut off)."""
+    rows = await db.execute(
+        select(Message)
+        .where(Message.role == MessageRole.USER.value, Message.status == MessageStatus.AWAITING_REPLY.value)
+        .order_by(Message.session_id, Message.seq)
+    )
+    return list(rows.scalars())
+
+
+async def settle_interrupted(db: AsyncSession, session_id: str, user_seq: int) -> Message | None:
+    """Give a cut-off turn its one reply, an empty ``incomplete`` marker; ``None`` when it was settled meanwhile."""
+    await _lock_session(db, session_id)
+    status = await db.scalar(
+        select(Message.status).where(
+            Message.session_id == session_id, Message.seq == user_seq, Message.role == MessageRole.USER.value
+        )
+    )
+    if status != MessageStatus.AWAITING_REPLY.value:
+        await db.rollback()  # NOTE: another process answered or marked it first (checked under the session lock)
+        return None
+    return await add_assistant_message(db, session_id, user_seq, "", MessageStatus.INCOMPLETE, TokenUsage())
 
 
 async def set_status(db: AsyncSession, session_id: str, status: SessionStatus) -> None:

@@ -1,9 +1,13 @@
-"""Chat websocket limits and lifecycle: rate limit, connection cap, Origin, shutdown, idle timeout, resume mid-reply."""
+"""Chat websocket limits and lifecycle: rate limit, connection cap, Origin, shutdown, idle timeout, resume mid-reply,
+messages too long to ever answer, turns cut off by a crash (marked on start), and the SIGTERM drain of a real
+``kvchat serve`` process."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,10 +20,23 @@ import websockets
 from sqlalchemy import select
 from test_ws_chat import TIMEOUT, Chat
 
+from backend.db.engine import create_db_engine, create_sessionmaker
 from backend.db.models import Message
+from backend.services import sessions as store
+from backend.services.tenants import bootstrap_default_tenant
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session, server_settings, start_server, stop_server
+from support.server import (
+    ADMIN_KEY,
+    CHAT_TOKEN,
+    LiveServer,
+    db_session,
+    server_settings,
+    serving,
+    start_server,
+    stop_server,
+)
+from support.server_process import ServerProcess, start_server_process, tiny_server_env
 
 pytestmark = pytest.mark.anyio
 
@@ -205,7 +222,9 @@ async def test_engine_busy_is_an_error_frame_with_retry_after(
     await engine.start()
     # NOTE: replies of 500 tokens, not 200: on a fast CPU the first 200-token reply could finish before the third
     # message arrived, and then nobody was busy (~1 whole-file run in 20 failed so on a Zen 5)
-    live = await asyncio.to_thread(start_server, server_settings(sqlite_url, tmp_path, reply_max_tokens=500), engine)
+    # (no shutdown grace: the replies still running when the test ends are cut off at once, not waited for)
+    settings = server_settings(sqlite_url, tmp_path, reply_max_tokens=500, shutdown_grace_seconds=0)
+    live = await asyncio.to_thread(start_server, settings, engine)
     try:
         async with (
             websockets.connect(live.ws) as w1,
@@ -241,3 +260,199 @@ async def test_engine_busy_is_an_error_frame_with_retry_after(
     finally:
         await asyncio.to_thread(stop_server, live)
         await engine.stop()
+
+
+# ---------------------------------------------------------------- messages that can never be answered
+
+
+async def test_a_message_too_long_to_answer_is_refused_before_the_ack(
+    pg_url: str, tmp_path: Path, tiny_engine: LLMEngine
+) -> None:
+    info = tiny_engine.info
+    limit = min(info.max_model_len, info.num_blocks * info.block_size) - 12  # reply_max_tokens=12
+    text = " ".join(f"w{i}x{i * 7 % 13}" for i in range(7000))  # ~60 KB: under the frame limit, far over the budget
+    assert 50_000 < len(text.encode()) < 64 * 1024 - 200
+    with serving(server_settings(pg_url, tmp_path, reply_max_tokens=12), tiny_engine) as live:
+        async with websockets.connect(live.ws) as ws:
+            chat = Chat(ws)
+            session_id = (await chat.hello())["session_id"]
+            await chat.send(type="user.message", client_msg_id="long", text=text)
+            err = await chat.recv()
+            assert (err["type"], err["code"], err["client_msg_id"]) == ("error", "message_too_long", "long")
+            assert re.fullmatch(
+                rf"message too long: (at least )?\d+ tokens with the system prompt; the limit is {limit} tokens",
+                err["message"],
+            )
+            _, done = await chat.turn("short", "Where is my order?")  # the socket is still open
+            assert done["status"] == "complete"
+        async with db_session(live) as db:
+            rows = (await db.execute(select(Message).where(Message.session_id == session_id))).scalars().all()
+    assert sorted((m.seq, m.role, m.client_msg_id) for m in rows) == [(1, "user", "short"), (2, "assistant", None)]
+
+
+# ---------------------------------------------------------------- turns cut off by a crash
+
+
+async def _crashed_turn(db_url: str) -> str:
+    """The state a kill -9 leaves: an acknowledged message the bot owed a reply, and no reply."""
+    engine = create_db_engine(db_url)
+    try:
+        maker = create_sessionmaker(engine)
+        tenant_id = (await bootstrap_default_tenant(maker, CHAT_TOKEN, ADMIN_KEY)).tenant_id
+        async with maker() as db:
+            session = await store.create_session(db, tenant_id)
+            await db.commit()
+            await store.add_user_message(db, session.id, "q1", "Where is my order?", awaiting_reply=True)
+        return session.id
+    finally:
+        await engine.dispose()
+
+
+async def test_a_restart_marks_the_turn_a_crash_cut_off_and_welcome_names_it(
+    pg_url: str, tmp_path: Path, tiny_engine: LLMEngine
+) -> None:
+    session_id = await _crashed_turn(pg_url)
+    with serving(server_settings(pg_url, tmp_path), tiny_engine) as live:
+        async with websockets.connect(live.ws) as ws:
+            chat = Chat(ws)
+            welcome = await chat.hello(session_id=session_id, last_seq=0)
+            assert [
+                (m["seq"], m["role"], m["status"], m["content"], m["reply_to_seq"]) for m in welcome["messages"]
+            ] == [
+                (1, "user", "complete", "Where is my order?", None),
+                (2, "assistant", "incomplete", "", 1),
+            ]
+            assert welcome["cut_off"] == [1]
+            assert welcome["in_flight"] is None
+            # a retry of the cut-off message gets the marker, not a second reply
+            await chat.send(type="user.message", client_msg_id="q1", text="Where is my order?")
+            ack, done = await chat.recv(), await chat.recv()
+            assert ack == {"type": "message.ack", "client_msg_id": "q1", "seq": 1, "duplicate": True}
+            assert (done["type"], done["seq"], done["status"], done["text"]) == (
+                "message.completed",
+                2,
+                "incomplete",
+                "",
+            )
+        async with websockets.connect(live.ws) as ws:
+            welcome = await Chat(ws).hello(session_id=session_id, last_seq=2)
+            assert (welcome["messages"], welcome["cut_off"]) == ([], [])
+
+
+async def test_a_start_beside_a_live_worker_leaves_its_awaiting_turns_alone(
+    pg_url: str, tmp_path: Path, tiny_engine: LLMEngine
+) -> None:
+    session_id = await _crashed_turn(pg_url)
+    peer = create_db_engine(pg_url, application_name="kvchat-worker:4242:peer")  # another serving process
+    try:
+        async with peer.connect():
+            with serving(server_settings(pg_url, tmp_path), tiny_engine) as live:
+                async with db_session(live) as db:
+                    rows = (await db.execute(select(Message).where(Message.session_id == session_id))).scalars().all()
+    finally:
+        await peer.dispose()
+    assert [(m.seq, m.role, m.status) for m in rows] == [(1, "user", "awaiting_reply")]
+
+
+# ---------------------------------------------------------------- SIGTERM on a real kvchat serve process
+
+
+@pytest.fixture
+def serve_process(pg_url: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[Any]:
+    started: list[ServerProcess] = []
+
+    def start(**settings: object) -> ServerProcess:
+        env = tiny_server_env(pg_url, tiny_model_dir, tmp_path, **settings)
+        server = start_server_process(env, tmp_path / f"serve-{len(started)}.log")
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.kill()
+
+
+async def _until_connections_refused(port: int) -> None:
+    """The server stops listening as its drain begins (and keeps serving the sockets it has)."""
+    for _ in range(300):
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            return
+        writer.close()
+        await writer.wait_closed()
+        await asyncio.sleep(0.05)
+    raise AssertionError("the server kept accepting connections after SIGTERM")
+
+
+async def _first_delta(chat: Chat, client_msg_id: str) -> list[str]:
+    await chat.send(type="user.message", client_msg_id=client_msg_id, text="Explain the whole return policy")
+    frames = await chat.until("message.delta")
+    assert [f["type"] for f in frames] == ["message.ack", "message.delta"]
+    return [frames[-1]["text"]]
+
+
+async def _rest_of_reply(chat: Chat, client_msg_id: str, deltas: list[str]) -> tuple[dict[str, Any], list[Any]]:
+    """Read to the reply's completion; return it and every other frame seen on the way."""
+    others = []
+    while True:
+        frame = await chat.recv()
+        if frame["type"] == "message.delta" and frame["client_msg_id"] == client_msg_id:
+            deltas.append(frame["text"])
+        elif frame["type"] == "message.completed" and frame["client_msg_id"] == client_msg_id:
+            return frame, others
+        else:
+            others.append(frame)
+
+
+async def _stored(pg_url: str) -> list[tuple[int, str, str, str]]:
+    engine = create_db_engine(pg_url)
+    try:
+        async with create_sessionmaker(engine)() as db:
+            rows = (await db.execute(select(Message).order_by(Message.seq))).scalars().all()
+            return [(m.seq, m.role, m.status, m.content) for m in rows]
+    finally:
+        await engine.dispose()
+
+
+async def test_sigterm_lets_the_reply_in_flight_finish_and_refuses_new_turns(pg_url: str, serve_process: Any) -> None:
+    # NOTE: the commit-delay hook holds the reply in flight for 3 s after its last token, whatever the CPU's speed
+    server = serve_process(reply_max_tokens=40, shutdown_grace_seconds=120, test_commit_delay_seconds=3)
+    async with websockets.connect(server.ws) as ws:
+        chat = Chat(ws)
+        await chat.hello()
+        deltas = await _first_delta(chat, "q")
+        server.proc.send_signal(signal.SIGTERM)
+        await _until_connections_refused(server.port)  # the drain has begun
+        await chat.send(type="user.message", client_msg_id="late", text="one more thing")
+        done, others = await _rest_of_reply(chat, "q", deltas)
+        assert await _closed_code(ws) == 1012
+    assert [(f["type"], f["code"], f["client_msg_id"]) for f in others] == [("error", "shutting_down", "late")]
+    assert (done["status"], done["finish_reason"]) == ("complete", "length")
+    assert done["text"] == "".join(deltas)
+    assert server.terminate() in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+    assert await _stored(pg_url) == [
+        (1, "user", "complete", "Explain the whole return policy"),
+        (2, "assistant", "complete", "".join(deltas)),
+    ]
+
+
+async def test_sigterm_past_the_grace_period_stores_exactly_the_text_that_was_sent(
+    pg_url: str, serve_process: Any
+) -> None:
+    server = serve_process(reply_max_tokens=1500, shutdown_grace_seconds=0)
+    async with websockets.connect(server.ws) as ws:
+        chat = Chat(ws)
+        await chat.hello()
+        deltas = await _first_delta(chat, "q")
+        server.proc.send_signal(signal.SIGTERM)
+        done, others = await _rest_of_reply(chat, "q", deltas)
+        assert await _closed_code(ws) == 1012
+    assert others == []
+    assert (done["status"], done["finish_reason"]) == ("incomplete", "interrupted")
+    assert done["text"] == "".join(deltas)
+    assert server.terminate() in (0, -signal.SIGTERM)
+    assert await _stored(pg_url) == [
+        (1, "user", "complete", "Explain the whole return policy"),
+        (2, "assistant", "incomplete", "".join(deltas)),
+    ]

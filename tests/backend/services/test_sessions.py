@@ -1,11 +1,14 @@
-"""Per-session seq allocation under concurrent writers, on SQLite and Postgres."""
+"""Per-session seq allocation under concurrent writers, and the ``awaiting_reply`` lifecycle that lets a restart find
+the turns a crash cut off — on SQLite and Postgres."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.db.engine import create_db_engine, create_sessionmaker
 from backend.db.models import Message, MessageStatus
@@ -37,3 +40,90 @@ async def test_a_reply_and_a_customer_message_stored_at_once_both_land(db_url: s
         assert seqs == list(range(1, 12))
     finally:
         await engine.dispose()
+
+
+@pytest.fixture
+async def maker(db_url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    engine = create_db_engine(db_url)
+    try:
+        yield create_sessionmaker(engine)
+    finally:
+        await engine.dispose()
+
+
+async def _new_session(maker: async_sessionmaker[AsyncSession]) -> str:
+    tenant_id = (await bootstrap_default_tenant(maker, "c", "a")).tenant_id
+    async with maker() as db:
+        session = await store.create_session(db, tenant_id)
+        await db.commit()
+    return session.id
+
+
+async def _rows(
+    maker: async_sessionmaker[AsyncSession], session_id: str
+) -> list[tuple[int, str, str, str, int | None]]:
+    async with maker() as db:
+        rows = await db.execute(select(Message).where(Message.session_id == session_id).order_by(Message.seq))
+        return [(m.seq, m.role, m.content, m.status, m.reply_to_seq) for m in rows.scalars()]
+
+
+async def test_a_reply_settles_the_message_it_answers(maker: async_sessionmaker[AsyncSession]) -> None:
+    session_id = await _new_session(maker)
+    async with maker() as db:
+        await store.add_user_message(db, session_id, "m1", "hello", awaiting_reply=True)
+        await store.add_user_message(db, session_id, "m2", "not for the bot")
+    async with maker() as db:
+        assert [(m.seq, m.client_msg_id) for m in await store.awaiting_replies(db)] == [(1, "m1")]
+        await store.add_assistant_message(db, session_id, 1, "hi", MessageStatus.COMPLETE, store.TokenUsage())
+    async with maker() as db:
+        assert await store.awaiting_replies(db) == []
+    assert await _rows(maker, session_id) == [
+        (1, "user", "hello", "complete", None),
+        (2, "user", "not for the bot", "complete", None),
+        (3, "assistant", "hi", "complete", 1),
+    ]
+
+
+async def test_a_cut_off_turn_gets_exactly_one_incomplete_marker(maker: async_sessionmaker[AsyncSession]) -> None:
+    session_id = await _new_session(maker)
+    async with maker() as db:
+        await store.add_user_message(db, session_id, "m1", "first", awaiting_reply=True)
+        await store.add_user_message(db, session_id, "m2", "second", awaiting_reply=True)
+    async with maker() as a, maker() as b:  # two starting processes race to mark the same turn
+        marked = await asyncio.gather(
+            store.settle_interrupted(a, session_id, 1), store.settle_interrupted(b, session_id, 1)
+        )
+    assert sorted(m is not None for m in marked) == [False, True]
+    async with maker() as db:
+        assert await store.settle_interrupted(db, session_id, 2) is not None
+        assert await store.settle_interrupted(db, session_id, 2) is None
+        assert await store.awaiting_replies(db) == []
+    assert await _rows(maker, session_id) == [
+        (1, "user", "first", "complete", None),
+        (2, "user", "second", "complete", None),
+        (3, "assistant", "", "incomplete", 1),
+        (4, "assistant", "", "incomplete", 2),
+    ]
+
+
+async def test_a_retried_message_awaits_a_reply_again(maker: async_sessionmaker[AsyncSession]) -> None:
+    session_id = await _new_session(maker)
+    async with maker() as db:
+        message, _ = await store.add_user_message(db, session_id, "m1", "hello")
+        await store.await_reply(db, message)
+    async with maker() as db:
+        assert [m.seq for m in await store.awaiting_replies(db)] == [1]
+
+
+async def test_a_message_never_gets_a_second_reply(maker: async_sessionmaker[AsyncSession]) -> None:
+    session_id = await _new_session(maker)
+    async with maker() as db:
+        await store.add_user_message(db, session_id, "m1", "hello", awaiting_reply=True)
+        first = await store.add_assistant_message(db, session_id, 1, "hi", MessageStatus.COMPLETE, store.TokenUsage())
+    async with maker() as db:  # a retried store whose first commit had landed, or a late reply after a marker
+        again = await store.add_assistant_message(db, session_id, 1, "late", MessageStatus.COMPLETE, store.TokenUsage())
+    assert (again.seq, again.content, again.status) == (first.seq, "hi", "complete")
+    assert await _rows(maker, session_id) == [
+        (1, "user", "hello", "complete", None),
+        (2, "assistant", "hi", "complete", 1),
+    ]
