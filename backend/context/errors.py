@@ -1,0 +1,37 @@
+"""Errors of the context layer, each with a stable ``code`` that the boundary (admin API) maps to a status.
+
+ContextError                 code
+├── InvalidRuleError         invalid_rule      a splitter rule does not compile or can match the empty string
+├── UnknownBackendError      unknown_backend   a similarity backend name that is not registered
+├── BackendUnavailableError  backend_unavailable  the backend's package (the embedding model) is not installed
+└── InvalidSettingsError     invalid_settings  topic thresholds out of range
+"""
+
+from __future__ import annotations
+
+
+class ContextError(Exception):
+    code = "context_error"
+
+
+class InvalidRuleError(ContextError):
+    """A rule was refused; ``rule`` names it and ``reason`` says why (shown to the admin who wrote it)."""
+
+    code = "invalid_rule"
+
+    def __init__(self, rule: str, reason: str) -> None:
+        super().__init__(f"rule {rule!r} refused: {reason}")
+        self.rule = rule
+        self.reason = reason
+
+
+class UnknownBackendError(ContextError):
+    code = "unknown_backend"
+
+
+class BackendUnavailableError(ContextError):
+    code = "backend_unavailable"
+
+
+class InvalidSettingsError(ContextError):
+    code = "invalid_settings"
