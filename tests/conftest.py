@@ -205,6 +205,17 @@ def pg_url(pg_server: PgServer, pg_template: str) -> Iterator[str]:
         asyncio.run(_admin(pg_server.admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
+@pytest.fixture(scope="module")
+def pg_module_url(pg_server: PgServer, pg_template: str) -> Iterator[str]:
+    """A database at schema head shared by the tests of one module (for suites that need one server, not one each)."""
+    name = f"kvchat_m_{secrets.token_hex(6)}"
+    asyncio.run(_admin(pg_server.admin_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
+    try:
+        yield pg_server.async_url_for(name)
+    finally:
+        asyncio.run(_admin(pg_server.admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """A SQLite file at schema head, isolated to this test."""
