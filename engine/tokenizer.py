@@ -19,6 +19,7 @@ before the first stop string to complete (when no prompt context is given; with 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import json
 import os
@@ -69,6 +70,13 @@ class Tokenizer:
         # NOTE: longest first, so a split takes the longest marker at a position, as the tokenizer does.
         self._control = _alternation(list(self.control_tokens))
         self._escapable = _alternation([*self.control_tokens, _ESCAPE_OPEN])
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token of the vocabulary stands for (its byte-level or SentencePiece form, which
+        is never shorter than the text it decodes to), so ``len(text) / max_token_chars`` bounds a text's token
+        count from below without tokenizing it."""
+        return max((len(piece) for piece in self.hf.get_vocab()), default=1)
 
     @property
     def vocab_size(self) -> int:

@@ -2,7 +2,7 @@
 
 Client → server: ``hello`` (first frame: auth + optional resume), ``user.message``, ``cancel``, ``ping``.
 Server → client: ``welcome``, ``message.ack``, ``message.delta``, ``message.completed``, ``session.status``,
-``error``, ``pong``.
+``session.topic``, ``error``, ``pong``.
 
 Close codes (named here, used by the connection handler): 1008 policy (Origin not allowed), 1009 message too big,
 1011 internal error, 1012 server restarting, 1013 try again later (connection cap), 4401 unauthorized,
@@ -99,6 +99,13 @@ class InFlight(_Frame):
     text: str  # what the assistant said so far
 
 
+class Topic(_Frame):
+    """The session's topic: its epoch and semantic temperature (None until the first customer message)."""
+
+    epoch: int
+    temperature: float | None = None
+
+
 class Welcome(_Frame):
     type: Literal["welcome"] = "welcome"
     session_id: str
@@ -106,8 +113,10 @@ class Welcome(_Frame):
     messages: list[MessageOut]
     last_seq: int
     in_flight: InFlight | None = None
-    # seqs of the user messages in ``messages`` whose reply was cut off (a crash, a shutdown): stored incomplete
+    # seqs of the user messages in ``messages`` whose reply was cut off (a crash, a shutdown, an engine failure)
+    # and stored ``incomplete``: the client can offer to ask again
     cut_off: list[int] = Field(default_factory=list)
+    topic: Topic | None = None
 
 
 class MessageAck(_Frame):
@@ -139,12 +148,22 @@ class MessageCompleted(_Frame):
     status: str  # complete | cancelled | incomplete
     finish_reason: str
     usage: Usage | None = None
+    topic: Topic | None = None  # the topic of the message this reply answers
 
 
 class SessionStatusFrame(_Frame):
     type: Literal["session.status"] = "session.status"
     session_id: str
     status: str
+
+
+class SessionTopicFrame(_Frame):
+    """A customer message (``seq``) started a new topic epoch."""
+
+    type: Literal["session.topic"] = "session.topic"
+    session_id: str
+    seq: int
+    topic: Topic
 
 
 class ErrorFrame(_Frame):
@@ -160,7 +179,9 @@ class Pong(_Frame):
     nonce: str | None = None
 
 
-ServerFrame = Welcome | MessageAck | MessageDelta | MessageCompleted | SessionStatusFrame | ErrorFrame | Pong
+ServerFrame = (
+    Welcome | MessageAck | MessageDelta | MessageCompleted | SessionStatusFrame | SessionTopicFrame | ErrorFrame | Pong
+)
 
 
 def parse_client_frame(text: str) -> Hello | UserMessage | Cancel | Ping | ErrorFrame:

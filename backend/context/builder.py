@@ -1,0 +1,195 @@
+"""The context builder: turns a session into the engine request, a ``SegmentedPrompt``, under a token budget.
+
+The prompt is assembled in a fixed order:
+
+1. the tenant's system prompt, alone at the start and byte for byte the same in every session, so its KV blocks are
+   shared by all of the tenant's sessions;
+2. the session's pinned context (customer facts), then the blocks the history below leaves out but a support chat
+   must never lose: identifier blocks (order, account, ticket numbers, e-mails, phones) and clause references;
+3. the history, by the tenant's policy:
+   - ``full``: every turn (the oldest go only when the budget forces it);
+   - ``epoch``: the current topic epoch in full; earlier epochs survive only through their blocks in part 2;
+   - ``budget``: the oldest turns go first once the prompt passes ``policy_budget_tokens``.
+
+Whatever the policy, the prompt fits ``budget_tokens``: the oldest turns go first (the history always starts on a
+customer message and always ends with the newest one), then the oldest carried blocks.
+
+NOTE: parts 1 and 2 live in one system message, not two: several chat templates (Llama 3, Mistral) only honour a
+first system message. A message's segments cover its text exactly (the gap before a block belongs to it), so the
+engine renders the same token ids as for the plain messages, and a turn whose context lost nothing extends the
+previous turn's prompt token for token: the prefix cache serves all of it but the new tail.
+
+Pure: no database, no engine; tokens are counted by the callable the caller passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from backend.context.blocks import Block, BlockKey, BlockType
+from backend.db.models import HistoryPolicy, MessageRole
+from engine.prompt import Segment, SegmentedPrompt
+
+CountTokens = Callable[[SegmentedPrompt], int]
+
+# Block types of the engine request beyond the splitter's (``BlockType``): the stats by block type show them apart.
+SYSTEM_PROMPT = "system_prompt"
+PINNED_CONTEXT = "pinned_context"
+
+CARRIED_TYPES = frozenset({BlockType.IDENTIFIER, BlockType.CLAUSE_REFERENCE})
+CARRIED_HEADER = "Noted earlier in this conversation:"
+_SEPARATOR = "\n\n"
+_ITEM = "\n- "
+
+
+class DropReason(StrEnum):
+    """Why a message is not in the history: its epoch is over (``epoch`` policy), or the budget had no room."""
+
+    EPOCH = "epoch"
+    BUDGET = "budget"
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryMessage:
+    """A stored message that is context (customer messages and complete replies), in conversation order."""
+
+    seq: int
+    role: MessageRole
+    content: str
+    epoch: int
+    blocks: tuple[Block, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ContextRequest:
+    """Everything the builder needs about one turn. ``block_ids`` maps a block to its stored row id (segment ids)."""
+
+    system_prompt: str
+    history: tuple[HistoryMessage, ...]
+    current_epoch: int
+    policy: HistoryPolicy
+    budget_tokens: int
+    pinned_context: str = ""
+    policy_budget_tokens: int | None = None  # the ``budget`` policy's own limit (None: only ``budget_tokens``)
+    block_ids: Mapping[BlockKey, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    seq: int
+    reason: DropReason
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltContext:
+    """The engine request, and what it holds and leaves out (the caller invalidates what the last turn had)."""
+
+    prompt: SegmentedPrompt
+    tokens: int
+    kept: tuple[int, ...]  # seqs of the history messages, in order
+    dropped: tuple[Dropped, ...]  # messages left out of the history, oldest first
+    carried: tuple[BlockKey, ...]  # blocks of left-out messages that part 2 carries
+    fits: bool  # False: even the smallest context is over the budget (the engine will refuse it)
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    kept: tuple[HistoryMessage, ...]
+    dropped: tuple[Dropped, ...]
+    carried: tuple[Block, ...]
+
+
+def build_context(request: ContextRequest, count_tokens: CountTokens) -> BuiltContext:
+    """The largest context the policy allows that fits the budget (the smallest one when none fits)."""
+    limit = request.budget_tokens
+    if request.policy is HistoryPolicy.BUDGET and request.policy_budget_tokens is not None:
+        limit = min(limit, request.policy_budget_tokens)
+    if not request.history:
+        raise ValueError("the history is empty: a turn needs the customer's message")
+    for choice in _choices(request):
+        prompt = _render(request, choice)
+        tokens = count_tokens(prompt)
+        if tokens <= limit:
+            break
+    return BuiltContext(
+        prompt,
+        tokens,
+        tuple(m.seq for m in choice.kept),
+        choice.dropped,
+        tuple(b.key for b in choice.carried),
+        tokens <= limit,
+    )
+
+
+def _choices(request: ContextRequest) -> Iterator[_Choice]:
+    """Candidate contexts, largest first: the policy's history, then ever later starts, then fewer carried blocks."""
+    history = request.history
+    if request.policy is HistoryPolicy.EPOCH:
+        over = tuple(Dropped(m.seq, DropReason.EPOCH) for m in history if m.epoch < request.current_epoch)
+        history = tuple(m for m in history if m.epoch >= request.current_epoch)
+    else:
+        over = ()
+    # NOTE: never start the history on a reply: chat templates expect a customer turn first.
+    starts = [i for i, m in enumerate(history) if m.role == MessageRole.USER] or [len(history) - 1]
+    left_out_seqs = {d.seq for d in over}
+    earlier = [m for m in request.history if m.seq in left_out_seqs]
+    for n, start in enumerate(starts):
+        dropped = over + tuple(Dropped(m.seq, DropReason.BUDGET) for m in history[:start])
+        carried = tuple(b for m in (*earlier, *history[:start]) for b in m.blocks if b.type in CARRIED_TYPES)
+        yield _Choice(history[start:], dropped, carried)
+        if n == len(starts) - 1:
+            for first in range(1, len(carried) + 1):  # the last resort: the oldest carried blocks go too
+                yield _Choice(history[start:], dropped, carried[first:])
+
+
+def _render(request: ContextRequest, choice: _Choice) -> SegmentedPrompt:
+    system = _system_segments(request, choice.carried)
+    messages: list[tuple[str, list[Segment]]] = [(MessageRole.SYSTEM.value, system)] if system else []
+    messages += [(m.role.value, message_segments(m, request.block_ids)) for m in choice.kept]
+    return SegmentedPrompt.of(*messages)
+
+
+def _system_segments(request: ContextRequest, carried: Sequence[Block]) -> list[Segment]:
+    segments: list[Segment] = []
+    if request.system_prompt:
+        segments.append(Segment(request.system_prompt, SYSTEM_PROMPT))
+    if request.pinned_context:
+        lead = _SEPARATOR if segments else ""
+        segments.append(Segment(lead + request.pinned_context, PINNED_CONTEXT))
+    if carried:
+        lead = _SEPARATOR if segments else ""
+        segments.append(Segment(lead + CARRIED_HEADER, PINNED_CONTEXT))
+        ids = request.block_ids
+        for block in carried:
+            parent = ids.get(block.parent) if block.parent is not None else None
+            segments.append(Segment(_ITEM + block.text, block.type.value, ids.get(block.key), parent))
+    return segments
+
+
+def message_segments(message: HistoryMessage, block_ids: Mapping[BlockKey, int]) -> list[Segment]:
+    """The message's text cut at its blocks (each block takes the gap before it; the last one, the text after).
+
+    A message without blocks, or whose blocks no longer match its text, is one ``context`` segment.
+    """
+    text, blocks = message.content, message.blocks
+    if not blocks or not _blocks_match(text, blocks):
+        return [Segment(text, BlockType.CONTEXT.value)]
+    segments: list[Segment] = []
+    pos = 0
+    for i, block in enumerate(blocks):
+        end = len(text) if i == len(blocks) - 1 else block.end
+        parent = block_ids.get(block.parent) if block.parent is not None else None
+        segments.append(Segment(text[pos:end], block.type.value, block_ids.get(block.key), parent))
+        pos = end
+    return segments
+
+
+def _blocks_match(text: str, blocks: Sequence[Block]) -> bool:
+    pos = 0
+    for block in blocks:
+        if block.start < pos or block.end < block.start or text[block.start : block.end] != block.text:
+            return False
+        pos = block.end
+    return True

@@ -1,0 +1,366 @@
+"""The context layer of a chat turn: what the chat service asks of it, between the database and the engine.
+
+- ``observe_customer``: split a stored customer message into blocks (the tenant's rules, compiled once and again only
+  when they change), move the session's topic (semantic temperature, epoch, a history row) and store it all;
+- ``observe_reply``: split a stored reply into blocks of the epoch of the message it answers;
+- ``load`` + ``prepare``: the turn's engine request, built by ``backend/context/builder.py`` under the tenant's
+  history policy, and its token ids;
+- ``invalidate_dropped``: when the prompt drops an epoch the previous turn's prompt had, free the session's cached
+  blocks from the first token that changed (``LLMEngine.invalidate``) and store the event;
+- ``pinned_context_edited``: after an admin edited the session's pinned context, free its cached blocks from the
+  end of the tenant's system prompt on (which stays: every session shares it) and store the event;
+- ``record_release``: store a closed session's cache release as an invalidation event.
+
+Each database step is one short session; splitting, similarity and tokenizing run in worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from backend.context.blocks import Block, BlockKey
+from backend.context.builder import (
+    SYSTEM_PROMPT,
+    BuiltContext,
+    ContextRequest,
+    DropReason,
+    HistoryMessage,
+    build_context,
+)
+from backend.context.rules import RuleSet
+from backend.context.similarity import SimilarityBackend, make_backend
+from backend.context.splitter import Splitter
+from backend.context.topic import TopicState, TopicTracker, TopicUpdate, identifier_keys
+from backend.core.offload import run_cpu
+from backend.db.models import (
+    ChatSession,
+    InvalidationReason,
+    Message,
+    MessageRole,
+    MessageStatus,
+    SemanticBlock,
+)
+from backend.services import context_store
+from backend.services import sessions as store
+from backend.services.context_store import ContextSettings, RuleSetCache
+from engine.kv.kv_cache_manager import InvalidationResult
+from engine.llm_engine import LLMEngine
+from engine.prompt import SegmentedPrompt, TokenizedPrompt
+
+# The ``budget`` policy's prompt limit (the model's own budget still applies under every policy).
+DEFAULT_POLICY_BUDGET_TOKENS = 1024
+SYSTEM_ACTOR = "system"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionContext:
+    """What one turn reads from the database, in one short session."""
+
+    tenant_id: str
+    session_id: str
+    epoch: int  # the session's current topic epoch
+    temperature: float | None
+    pinned_context: str
+    messages: list[Message]
+    epochs: dict[int, int]  # seq → topic epoch, for every message
+    temperatures: dict[int, float]  # customer message seq → the temperature it left
+    blocks: list[Block]  # oldest first
+    block_ids: dict[BlockKey, int]
+    settings: ContextSettings
+    rules: RuleSet
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    built: BuiltContext
+    token_ids: list[int]
+    context_from: int  # the first token after the tenant's system prompt: where the session's own context starts
+    epoch: int  # the topic of the message the turn answers
+    temperature: float | None
+
+    @property
+    def prompt(self) -> SegmentedPrompt:
+        return self.built.prompt
+
+
+@dataclass(frozen=True, slots=True)
+class LastPrompt:
+    """A session's latest prompt: what the next one is compared with."""
+
+    token_ids: list[int]
+    kept: frozenset[int]
+    context_from: int
+
+
+def _conversation_order(m: Message) -> float:
+    # NOTE: a reply's seq can be later than a following user message (the customer typed while the bot answered);
+    # in the prompt the reply belongs right after the message it answers.
+    return m.reply_to_seq + 0.5 if m.reply_to_seq is not None else float(m.seq)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class _Locked:
+    """A similarity backend shared by worker threads (MiniLM's embedding cache is not thread-safe)."""
+
+    def __init__(self, backend: SimilarityBackend) -> None:
+        self.name = backend.name
+        self._backend = backend
+        self._lock = threading.Lock()
+
+    def similarity(self, message: str, context: Sequence[str]) -> float:
+        with self._lock:
+            return self._backend.similarity(message, context)
+
+
+_BACKENDS: dict[str, SimilarityBackend] = {}
+_BACKENDS_LOCK = threading.Lock()
+
+
+def shared_backend(name: str) -> SimilarityBackend:
+    """One instance per backend for the process: the MiniLM weights are loaded once, on first use."""
+    with _BACKENDS_LOCK:
+        if name not in _BACKENDS:
+            _BACKENDS[name] = _Locked(make_backend(name))
+        return _BACKENDS[name]
+
+
+class ContextService:
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        engine: LLMEngine,
+        policy_budget_tokens: int = DEFAULT_POLICY_BUDGET_TOKENS,
+    ) -> None:
+        self._sm = sessionmaker
+        self._engine = engine
+        self._rules = RuleSetCache()
+        self._policy_budget_tokens = policy_budget_tokens
+        # NOTE: in memory: after a restart the first turn of a session has nothing to compare with, and a drop then
+        # goes unnoticed; its blocks age out of the cache like any unused block.
+        self._last: dict[str, LastPrompt] = {}
+
+    # ------------------------------------------------------------------ messages
+
+    async def observe_customer(self, tenant_id: str, session_id: str, message: Message) -> TopicUpdate:
+        """Move the session's topic with a new customer message and store the message's blocks (committed)."""
+        async with self._sm() as db:
+            ctx = await self.load(db, tenant_id, session_id)
+        update, blocks = await run_cpu(self._observe_customer, ctx, message)
+        async with self._sm() as db:
+            await context_store.save_blocks(db, session_id, message.id, blocks)
+            await context_store.record_topic(db, session_id, message.seq, update)
+            await db.commit()
+        return update
+
+    async def observe_reply(self, tenant_id: str, session_id: str, message: Message, epoch: int) -> None:
+        """Store a reply's blocks (once: a replayed reply already has them)."""
+        if not message.content:
+            return
+        async with self._sm() as db:
+            ctx = await self.load(db, tenant_id, session_id)
+        if any(b.key.seq == message.seq for b in ctx.blocks):
+            return
+        split = self._splitter(ctx).split
+        blocks = await run_cpu(split, message.content, seq=message.seq, epoch=epoch, history=ctx.blocks)
+        async with self._sm() as db:
+            await context_store.save_blocks(db, session_id, message.id, blocks)
+            await db.commit()
+
+    def _observe_customer(self, ctx: SessionContext, message: Message) -> tuple[TopicUpdate, list[Block]]:
+        update = self._tracker(ctx, message.seq).observe_customer(message.content)
+        blocks = self._splitter(ctx).split(message.content, seq=message.seq, epoch=update.epoch, history=ctx.blocks)
+        return update, blocks
+
+    def _tracker(self, ctx: SessionContext, seq: int) -> TopicTracker:
+        """The session's topic tracker as its stored state left it (before message ``seq``)."""
+        topic = ctx.settings.topic
+        tracker = TopicTracker(
+            topic, shared_backend(topic.backend), identifier_keys(ctx.rules), TopicState(ctx.epoch, ctx.temperature)
+        )
+        in_epoch = [m for m in _in_order(ctx.messages) if m.seq != seq and m.content and ctx.epochs[m.seq] == ctx.epoch]
+        # NOTE: a reply last in the epoch is replayed through the tracker, which also notes whether it asked the
+        # customer for an order or account number (the number that follows is an answer, not a new topic).
+        replay = in_epoch[-1:] if in_epoch and in_epoch[-1].role == MessageRole.ASSISTANT.value else []
+        state = tracker.state
+        for m in in_epoch[: len(in_epoch) - len(replay)]:
+            state.identifiers |= tracker.identify(m.content)
+        state.recent = [m.content for m in in_epoch[: len(in_epoch) - len(replay)]][-topic.window :]
+        for m in replay:
+            tracker.observe_context(m.content)
+        return tracker
+
+    def _splitter(self, ctx: SessionContext) -> Splitter:
+        return Splitter(ctx.rules, self._count_tokens, ctx.settings.min_block_length)
+
+    def _count_tokens(self, text: str) -> int:
+        return len(self._engine.tokenizer.encode(text, add_special_tokens=False))
+
+    # ------------------------------------------------------------------ the turn's prompt
+
+    async def load(self, db: AsyncSession, tenant_id: str, session_id: str) -> SessionContext:
+        """Everything a turn needs from the database (read only, so safe to retry)."""
+        session = await store.get_session(db, tenant_id, session_id)
+        messages = await store.messages_after(db, session_id, 0)
+        history = await context_store.topic_history(db, session_id)
+        blocks = await context_store.load_blocks(db, session_id)
+        return SessionContext(
+            tenant_id,
+            session_id,
+            session.topic_epoch,
+            session.semantic_temperature,
+            session.pinned_context,
+            messages,
+            _epochs(messages, {row.message_seq: row.topic_epoch for row in history}),
+            {row.message_seq: row.temperature for row in history},
+            blocks,
+            await _block_ids(db, session_id),
+            await context_store.load_settings(db, tenant_id),
+            await self._rules.get(db, tenant_id),
+        )
+
+    def prepare(self, ctx: SessionContext, system_prompt: str, user_seq: int, budget: int) -> PreparedPrompt:
+        """The prompt answering message ``user_seq``, and its token ids. Runs in a worker thread (it tokenizes)."""
+        by_seq: dict[int, list[Block]] = {}
+        for block in ctx.blocks:
+            by_seq.setdefault(block.key.seq, []).append(block)
+        history = tuple(
+            HistoryMessage(m.seq, MessageRole(m.role), m.content, ctx.epochs[m.seq], tuple(by_seq.get(m.seq, ())))
+            for m in _in_order(ctx.messages)
+            if (m.role == MessageRole.USER.value and m.seq <= user_seq)
+            or (
+                m.role == MessageRole.ASSISTANT.value
+                and m.status == MessageStatus.COMPLETE.value
+                and (m.reply_to_seq or 0) < user_seq
+            )
+        )
+        epoch = ctx.epochs.get(user_seq, ctx.epoch)
+        request = ContextRequest(
+            system_prompt,
+            history,
+            epoch,
+            ctx.settings.history_policy,
+            budget,
+            pinned_context=ctx.pinned_context,
+            policy_budget_tokens=self._policy_budget_tokens,
+            block_ids=ctx.block_ids,
+        )
+        counted: list[tuple[SegmentedPrompt, TokenizedPrompt]] = []
+
+        def count(prompt: SegmentedPrompt) -> int:
+            counted[:] = [(prompt, self._engine.tokenize_prompt(prompt))]
+            return len(counted[0][1].token_ids)
+
+        built = build_context(request, count)
+        tokenized = counted[0][1] if counted[0][0] is built.prompt else self._engine.tokenize_prompt(built.prompt)
+        context_from = max((s.end for s in tokenized.spans if s.block_type == SYSTEM_PROMPT), default=0)
+        temperature = ctx.temperatures.get(user_seq, ctx.temperature)
+        return PreparedPrompt(built, tokenized.token_ids, context_from, epoch, temperature)
+
+    # ------------------------------------------------------------------ invalidation
+
+    async def invalidate_dropped(
+        self, tenant_id: str, session_id: str, prepared: PreparedPrompt
+    ) -> InvalidationResult | None:
+        """Free what the session's previous prompt had and this one dropped with an earlier epoch; store the event.
+
+        ``from_position`` is the first token where the two prompts differ: everything before it is still this
+        prompt's prefix (the tenant's system prompt above all), so it stays cached.
+        """
+        built = prepared.built
+        previous = self._last.get(session_id)
+        self._last[session_id] = LastPrompt(prepared.token_ids, frozenset(built.kept), prepared.context_from)
+        if previous is None:
+            return None
+        epoch_dropped = {d.seq for d in built.dropped if d.reason is DropReason.EPOCH}
+        if not previous.kept & epoch_dropped:
+            return None
+        position = common_prefix(previous.token_ids, prepared.token_ids)
+        reason = InvalidationReason.EPOCH_DROPPED
+        result = self._engine.invalidate(tenant_id, session=session_id, from_position=position, reason=reason.value)
+        async with self._sm() as db:
+            await context_store.record_invalidation(
+                db, tenant_id, session_id, reason, SYSTEM_ACTOR, result.blocks_freed, result.tokens_freed
+            )
+            await db.commit()
+        return result
+
+    async def pinned_context_edited(self, tenant_id: str, session_id: str, actor: str) -> InvalidationResult:
+        """Free the session's cached blocks that depend on its pinned context; store the event.
+
+        NOTE: from the first token after the tenant's system prompt, where the pinned context starts (or, when it
+        was empty, is inserted): the system prompt's blocks stay, shared by every session. Without a prompt of this
+        session in memory (a restart), the session's whole chain goes, save what other sessions share.
+        """
+        last = self._last.get(session_id)
+        position = last.context_from if last is not None else 0
+        reason = InvalidationReason.PINNED_CONTEXT_EDITED
+        result = self._engine.invalidate(tenant_id, session=session_id, from_position=position, reason=reason.value)
+        async with self._sm() as db:
+            await context_store.record_invalidation(
+                db, tenant_id, session_id, reason, actor, result.blocks_freed, result.tokens_freed
+            )
+            await db.commit()
+        return result
+
+    async def record_release(
+        self, session_id: str, blocks_freed: int, reason: InvalidationReason, actor: str = SYSTEM_ACTOR
+    ) -> None:
+        """Store the release of a session's cache (``LLMEngine.release_session`` frees whole blocks only)."""
+        self.forget(session_id)
+        async with self._sm() as db:
+            session = await db.get(ChatSession, session_id)
+            if session is None:
+                return  # deleted with its events' session link: nothing to attach the event to
+            tokens = blocks_freed * self._engine.info.block_size
+            await context_store.record_invalidation(
+                db, session.tenant_id, session_id, reason, actor, blocks_freed, tokens
+            )
+            await db.commit()
+
+    def forget(self, session_id: str) -> None:
+        self._last.pop(session_id, None)
+
+    def last_prompt(self, session_id: str) -> LastPrompt | None:
+        return self._last.get(session_id)
+
+
+def _in_order(messages: Sequence[Message]) -> list[Message]:
+    return sorted(messages, key=_conversation_order)
+
+
+def _epochs(messages: Sequence[Message], customer: dict[int, int]) -> dict[int, int]:
+    """Each message's topic epoch: a customer message's from the topic history, a reply's from the message it
+    answers. A message without a history row (stored before the context layer, or its observation failed) takes the
+    epoch of the message before it, so the newest message is never left in an older epoch."""
+    epochs: dict[int, int] = {}
+    last = 0
+    for m in _in_order(messages):
+        if m.role == MessageRole.USER.value:
+            last = customer.get(m.seq, last)
+        elif m.reply_to_seq is not None:
+            last = epochs.get(m.reply_to_seq, last)
+        epochs[m.seq] = last
+    return epochs
+
+
+async def _block_ids(db: AsyncSession, session_id: str) -> dict[BlockKey, int]:
+    rows = await db.execute(
+        select(Message.seq, SemanticBlock.block_index, SemanticBlock.id)
+        .join(Message, Message.id == SemanticBlock.message_id)
+        .where(SemanticBlock.session_id == session_id)
+    )
+    return {BlockKey(seq, index): block_id for seq, index, block_id in rows}
