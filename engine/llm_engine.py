@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,7 +40,7 @@ from engine.errors import (
 from engine.kv.block_hash import BlockHash, root_hash
 from engine.kv.block_meta import GENERATED, UNTYPED, SpanMap, TokenSpan
 from engine.kv.cache_stats import CacheStats
-from engine.kv.kv_cache_manager import InvalidationResult, KVCacheManager, KVCacheUsage
+from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult, KVCacheManager, KVCacheUsage
 from engine.kv.session_index import SessionIndex
 from engine.openmp import release_thread_pool
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, RequestStats, TokenDelta
@@ -64,7 +64,7 @@ RELEASE_REASON = "session_released"  # the invalidation reason release_session's
 _INTERNAL_ERROR = "internal engine error (see the server log)"
 
 ChatMessages = Sequence[dict[str, str]]
-Prompt = ChatMessages | Sequence[int] | str | SegmentedPrompt
+Prompt = ChatMessages | Sequence[int] | str | SegmentedPrompt | TokenizedPrompt
 Sink = Callable[[GenerationEvent | EngineError], None]
 
 
@@ -247,8 +247,23 @@ class LLMEngine:
         ``SegmentedPrompt`` → the chat template over its messages (the same ids as the joined messages)."""
         return self.tokenize_prompt(prompt).token_ids
 
+    def prompt_token_floor(self, texts: Iterable[str]) -> int:
+        """A lower bound of the tokens ``texts`` encode to, from their length alone (no tokenizing): a caller can
+        refuse a prompt that can never fit before paying for its encoding."""
+        return sum(len(t) for t in texts) // self.tokenizer.max_token_chars
+
+    @property
+    def prompt_limit(self) -> int:
+        """The most tokens a request may hold (prompt and reply): the model's context or the KV pool, the smaller."""
+        return min(self.info.max_model_len, self.info.num_blocks * self.info.block_size)
+
     def tokenize_prompt(self, prompt: Prompt) -> TokenizedPrompt:
-        """``tokenize``, plus the token spans of a ``SegmentedPrompt``'s segments and template (none otherwise)."""
+        """``tokenize``, plus the token spans of a ``SegmentedPrompt``'s segments and template (none otherwise).
+
+        A ``TokenizedPrompt`` (what this returned earlier, e.g. in a worker thread) passes through, its ids checked.
+        """
+        if isinstance(prompt, TokenizedPrompt):
+            return TokenizedPrompt(self.tokenize_prompt(prompt.token_ids).token_ids, prompt.spans)
         if isinstance(prompt, SegmentedPrompt):
             if not prompt.messages:
                 raise EmptyPromptError()
@@ -423,6 +438,27 @@ class LLMEngine:
             if from_position is not None and session is not None:
                 targets += self._cut_session(session, root, from_position // self.info.block_size)
             return self._kv.invalidate(targets, root=root, protected=self._protected_from(session), reason=reason)
+
+    def flush_namespace(self, namespace: str, reason: str = "flushed") -> InvalidationResult:
+        """Free every cached block of ``namespace`` (all its sessions' chains, its shared prefixes); no other
+        namespace's block is reached. A block a running request holds is unpublished now and freed when the request
+        ends, and that request publishes nothing from there on. The namespace's sessions keep no recorded chain.
+        """
+        if self._kv is None:
+            raise EngineStopped("the engine is not loaded")
+        root = self._root(namespace)
+        with self._lock:
+            for session in [s for s, r in self._session_roots.items() if r == root]:
+                self._sessions.truncate(session, 0)
+            return self._kv.flush_root(root, reason=reason)
+
+    def session_footprint(self, session: str) -> CacheFootprint:
+        """The blocks of ``session``'s recorded chain that are cached right now (shared ones included)."""
+        if self._kv is None:
+            raise EngineStopped("the engine is not loaded")
+        with self._lock:
+            blocks = self._kv.num_cached(self._sessions.chain(session))
+        return CacheFootprint(blocks, blocks * self.info.block_size)
 
     def _cut_session(self, session: str, root: BlockHash, first_block: int) -> list[BlockHash]:
         """The session's hashes from ``first_block`` on (recorded chain and in-flight requests), which stop there."""

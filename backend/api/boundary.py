@@ -12,6 +12,7 @@ Two shapes, chosen by path:
     unknown path                            404     not_found
     method not allowed                      405     method_not_allowed
     a BackendError (backend/core/errors.py) its status    its code (e.g. 404 session_not_found)
+    a ContextError (backend/context/errors)  422 (503)  its code (e.g. invalid_rule)
     any other HTTPException                 its own http_<status>
     an unexpected exception                 500     internal_error    (logged once, with its traceback)
 
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from backend.context.errors import ContextError
 from backend.core.errors import HTTP_STATUS_CODES, BackendError, error_location, error_problem
 from backend.core.limits import MAX_JSON_DEPTH, json_too_deep
 from backend.openai.errors import SERVER_ERROR, OpenAIError, from_http_exception, from_validation_error
@@ -141,11 +143,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def install(app: FastAPI, max_request_bytes: int) -> None:
-    """Add the body guard and the exception handlers that give every error its stable shape."""
+    """Add the body guard and the exception handlers that give every error its stable shape, and document those
+    errors in the OpenAPI schema as they are sent (clients generated from it, and schemathesis, rely on that)."""
     app.add_middleware(BodyGuard, max_bytes=max_request_bytes)
+    _document_errors(app)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(BackendError, _backend_error)
+    app.add_exception_handler(ContextError, _context_error)
     app.add_exception_handler(Exception, _unexpected)
 
 
@@ -167,6 +172,15 @@ async def _backend_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(request.url.path, exc.status, str(exc), exc.code)
 
 
+# NOTE: the context layer's errors carry a code but no HTTP status (that layer knows nothing of HTTP).
+_CONTEXT_STATUS = {"backend_unavailable": 503}
+
+
+async def _context_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ContextError)
+    return error_response(request.url.path, _CONTEXT_STATUS.get(exc.code, 422), str(exc), exc.code)
+
+
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     if is_openai_path(request.url.path):
@@ -186,3 +200,56 @@ def describe_errors(errors: Sequence[Any]) -> str:
     first = errors[0]
     loc = error_location(first.get("loc", ()))
     return f"{loc}: {error_problem(first)}" if loc else error_problem(first)
+
+
+# The error body of every route outside /v1 (FastAPI's default 422 schema, a list of pydantic errors, is not sent).
+ERROR_DETAIL_SCHEMA: dict[str, Any] = {
+    "title": "ErrorDetail",
+    "type": "object",
+    "properties": {"detail": {"type": "string", "title": "Detail"}, "code": {"type": "string", "title": "Code"}},
+    "required": ["detail", "code"],
+}
+_KVCHAT_ERRORS = {
+    "400": "undecodable body, or JSON nested too deeply",
+    "401": "no valid key",
+    "404": "not found",
+    "413": "request body too large",
+    "422": "invalid request",
+}
+_OPENAI_ERRORS = {"400": "invalid request", "401": "no valid key", "404": "not found", "413": "request too large"}
+
+
+def _document_errors(app: FastAPI) -> None:
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _with_errors(build())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _with_errors(schema: dict[str, Any]) -> dict[str, Any]:
+    """Every operation documents the errors the boundary can send, in the shape its path uses."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["HTTPValidationError"] = ERROR_DETAIL_SCHEMA
+    components.pop("ValidationError", None)
+    for path, item in schema.get("paths", {}).items():
+        for operation in item.values():
+            responses = operation.setdefault("responses", {})
+            if is_openai_path(path):
+                responses.pop("422", None)  # /v1 answers validation errors with a 400 in OpenAI's shape
+                ref, errors = "#/components/schemas/ErrorResponse", _OPENAI_ERRORS
+            else:
+                ref, errors = "#/components/schemas/HTTPValidationError", _KVCHAT_ERRORS
+            for status, description in errors.items():
+                if status == "401" and "security" not in operation:
+                    continue
+                if status in ("400", "413") and "requestBody" not in operation and not is_openai_path(path):
+                    continue
+                responses.setdefault(status, {"description": description})
+            for status, entry in responses.items():
+                if status[0] in "45":  # every error a route declares has the path's shape
+                    entry["content"] = {"application/json": {"schema": {"$ref": ref}}}
+    return schema

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Annotated
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Request, Security, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncSession
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.core.config import Settings
+from backend.core.errors import HTTP_STATUS_CODES
+from backend.core.security import display_prefix
 from backend.core.state import AppState
 from backend.db.models import KeyKind, Tenant
+from backend.services import audit
 from backend.services.tenants import authenticate
 
 
@@ -38,6 +45,12 @@ async def get_db(state: StateDep) -> AsyncIterator[AsyncSession]:
 DbDep = Annotated[AsyncSession, Depends(get_db)]
 
 
+# NOTE: declared so the OpenAPI schema (and /docs' "Authorize" button) knows how to send keys; reading them stays
+# in bearer_token(), which accepts either header for any route.
+ADMIN_KEY_HEADER = APIKeyHeader(name="X-API-Key", auto_error=False, description="a tenant's admin API key")
+BEARER = HTTPBearer(auto_error=False, description="a tenant's chat token (the OpenAI API key) or admin key")
+
+
 def bearer_token(request: Request) -> str:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
@@ -46,7 +59,12 @@ def bearer_token(request: Request) -> str:
     return request.headers.get("x-api-key", "").strip()
 
 
-async def get_admin_tenant(request: Request, db: DbDep) -> Tenant:
+async def get_admin_tenant(
+    request: Request,
+    db: DbDep,
+    _key: Annotated[str | None, Security(ADMIN_KEY_HEADER)] = None,
+    _bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)] = None,
+) -> Tenant:
     """The tenant whose *admin* key authorizes this request (``Authorization: Bearer`` or ``X-API-Key``)."""
     tenant = await authenticate(db, bearer_token(request), KeyKind.ADMIN)
     if tenant is None:
@@ -57,3 +75,35 @@ async def get_admin_tenant(request: Request, db: DbDep) -> Tenant:
 
 
 AdminDep = Annotated[Tenant, Depends(get_admin_tenant)]
+
+
+def audited(action: str) -> Any:
+    """A route dependency that writes one ``admin_audit`` row for the request: ``action``, the path's ids as the
+    target, the admin key's prefix as the actor, and ``ok`` or the error's code. Requests refused before a tenant is
+    known (401) are not audited: there is no tenant to file them under.
+
+    NOTE: function scope, so the row is written before the response is sent (a client reading the audit right after
+    its write sees it) and the route's exception, not yet mapped to a response, reaches it.
+    """
+
+    async def record(request: Request, tenant: AdminDep, state: StateDep) -> AsyncIterator[None]:
+        target = "/".join(str(v) for v in request.path_params.values()) or None
+        entry = audit.AuditEntry(tenant.id, display_prefix(bearer_token(request)), action, target, audit.OK)
+        try:
+            yield
+        except Exception as exc:
+            await audit.record(state.sessionmaker, dataclasses.replace(entry, result=_audit_result(exc)))
+            raise
+        await audit.record(state.sessionmaker, entry)
+
+    dependency: Callable[..., Any] = record
+    return Depends(dependency, scope="function")
+
+
+def _audit_result(exc: BaseException) -> str:
+    if isinstance(exc, RequestValidationError):
+        return "invalid_request"
+    if isinstance(exc, StarletteHTTPException):
+        code = getattr(exc, "code", None)
+        return code if isinstance(code, str) else HTTP_STATUS_CODES.get(exc.status_code, f"http_{exc.status_code}")
+    return audit.result_of(exc)

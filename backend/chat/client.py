@@ -19,8 +19,22 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 
+def default_url() -> str:
+    """Where ``kvchat serve`` listens with this environment's settings (a wildcard bind is reached on loopback)."""
+    host = os.environ.get("KVCHAT_HOST", "127.0.0.1")
+    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 literal
+    return f"ws://{host}:{os.environ.get('KVCHAT_PORT', '8000')}/ws/chat"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=os.environ.get("KVCHAT_URL", "ws://127.0.0.1:8000/ws/chat"))
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("KVCHAT_URL") or default_url(),
+        help="the server's chat websocket (default: KVCHAT_URL, else ws://KVCHAT_HOST:KVCHAT_PORT/ws/chat, the address "
+        "`kvchat serve` listens on)",
+    )
     parser.add_argument(
         "--token", default=os.environ.get("KVCHAT_CHAT_TOKEN"), help="chat token (default $KVCHAT_CHAT_TOKEN)"
     )

@@ -12,7 +12,6 @@ import logging
 from dataclasses import dataclass
 
 from fastapi import WebSocket
-from pydantic import BaseModel
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
@@ -30,7 +29,9 @@ from backend.chat.protocol import (
 )
 from backend.chat.rate_limit import TokenBucket
 from backend.chat.service import ChatService
+from backend.core import logs
 from backend.core.errors import BackendError, SessionNotFoundError
+from backend.core.metrics import Metrics
 from backend.db.models import KeyKind, Tenant
 from backend.services.tenants import authenticate
 from engine.errors import EngineError
@@ -48,6 +49,7 @@ class ConnectionLimits:
     max_connections_per_tenant: int = 200
     max_connections_per_client: int = 20
     max_queued_frames: int = 1024
+    max_queued_bytes: int = 4 * 1024 * 1024
     hello_timeout_s: float = 10.0
     allowed_origins: tuple[str, ...] = ("*",)
 
@@ -60,24 +62,35 @@ class _Closed(Exception):
 
 
 class ChatConnection:
-    def __init__(self, ws: WebSocket, service: ChatService, limits: ConnectionLimits) -> None:
+    def __init__(self, ws: WebSocket, service: ChatService, limits: ConnectionLimits, metrics: Metrics) -> None:
         self.ws = ws
         self.service = service
         self.limits = limits
+        self.metrics = metrics
         # NOTE: bounded: a client that stops reading fills it, and is then closed instead of growing our memory.
-        self.outbox: asyncio.Queue[ServerFrame | object] = asyncio.Queue(maxsize=limits.max_queued_frames)
+        self.outbox: asyncio.Queue[str | object] = asyncio.Queue(maxsize=limits.max_queued_frames)
+        self.queued_bytes = 0
         self.too_slow = asyncio.Event()
         self.bucket = TokenBucket(limits.rate_per_s, limits.burst)
         self.tenant: Tenant | None = None
         self.session_id: str | None = None
 
     def send(self, frame: ServerFrame) -> None:
+        """Queue a frame for this socket (serialized now, so the queue's bytes are known)."""
+        if isinstance(frame, ErrorFrame):
+            self.metrics.errors.labels(frame.code).inc()
         if self.too_slow.is_set():
             return
+        text = frame.model_dump_json()
+        if self.queued_bytes + len(text) > self.limits.max_queued_bytes:
+            self.too_slow.set()
+            return
         try:
-            self.outbox.put_nowait(frame)
+            self.outbox.put_nowait(text)
         except asyncio.QueueFull:
             self.too_slow.set()
+            return
+        self.queued_bytes += len(text)
 
     async def serve(self) -> None:
         if not self._origin_allowed():
@@ -85,6 +98,7 @@ class ChatConnection:
             await self.ws.close(CloseCode.POLICY, "origin not allowed")
             return
         await self.ws.accept()
+        self.metrics.open_sockets.inc()
         writer = asyncio.create_task(self._write_loop(), name="ws-writer")
         token: int | None = None
         client: ConnectionKey | None = None
@@ -103,6 +117,7 @@ class ChatConnection:
             except SessionNotFoundError as exc:
                 raise _Closed(CloseCode.SESSION_NOT_FOUND, str(exc)) from exc
             self.session_id = welcome.session_id
+            logs.session_id.set(welcome.session_id)  # this socket's log lines, and its turns', carry the session
             token = self.service.hub.subscribe(welcome.session_id, self.send)
             self.send(welcome)
             await self._read_until_closed()
@@ -122,6 +137,7 @@ class ChatConnection:
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
+            self.metrics.open_sockets.dec()
 
     async def _read_until_closed(self) -> None:
         """Read frames until the client leaves, or until it has stopped reading ours for too long."""
@@ -135,13 +151,12 @@ class ChatConnection:
         if reader.done() and not reader.cancelled():
             reader.result()  # re-raises _Closed / WebSocketDisconnect
             return
-        raise _Closed(
-            CloseCode.POLICY, f"the client is not reading its frames ({self.limits.max_queued_frames} queued)"
-        )
+        raise _Closed(CloseCode.POLICY, f"the client is not reading its frames ({self.outbox.qsize()} queued)")
 
     # ---------------------------------------------------------------- reading
 
-    async def _receive_text(self) -> str:
+    async def _receive_text(self) -> str | None:
+        """The next text frame; None for a binary frame (already answered with an error frame)."""
         message = await self.ws.receive()
         if message["type"] == "websocket.disconnect":
             raise WebSocketDisconnect(message.get("code", 1000))
@@ -151,7 +166,7 @@ class ChatConnection:
             if len(raw) > self.limits.max_message_bytes:
                 raise _Closed(CloseCode.TOO_BIG, "message too big")
             self.send(ErrorFrame(code="invalid_frame", message="binary frames are not supported; send JSON text"))
-            return ""
+            return None
         if len(data.encode()) > self.limits.max_message_bytes:
             raise _Closed(CloseCode.TOO_BIG, f"message too big (limit {self.limits.max_message_bytes} bytes)")
         return str(data)
@@ -161,7 +176,7 @@ class ChatConnection:
             data = await asyncio.wait_for(self._receive_text(), self.limits.hello_timeout_s)
         except TimeoutError as exc:
             raise _Closed(CloseCode.UNAUTHORIZED, "no hello received") from exc
-        frame = parse_client_frame(data) if data else None
+        frame = parse_client_frame(data) if data is not None else None
         if isinstance(frame, ErrorFrame):
             self.send(frame)  # the error frame says what was wrong; the close reason repeats it
             if frame.message.startswith("hello:"):
@@ -178,8 +193,8 @@ class ChatConnection:
             raise _Closed(CloseCode.UNAUTHORIZED, "invalid token")
         return tenant
 
-    def _parse(self, data: str) -> Hello | UserMessage | Cancel | Ping | None:
-        if not data:
+    def _parse(self, data: str | None) -> Hello | UserMessage | Cancel | Ping | None:
+        if data is None:
             return None
         frame = parse_client_frame(data)
         if isinstance(frame, ErrorFrame):
@@ -237,11 +252,11 @@ class ChatConnection:
 
     async def _write_loop(self) -> None:
         while True:
-            frame = await self.outbox.get()
-            if frame is _CLOSE:
+            text = await self.outbox.get()
+            if not isinstance(text, str):  # the close sentinel
                 return
-            if isinstance(frame, BaseModel):
-                await self.ws.send_text(frame.model_dump_json())
+            self.queued_bytes -= len(text)
+            await self.ws.send_text(text)
 
     async def _drain_and_close(self, writer: asyncio.Task[None], code: int, reason: str) -> None:
         """Send what is queued (briefly), then the close frame; a client that does not read gets no more time."""

@@ -33,6 +33,7 @@ class Settings(BaseSettings):
     database_url: str | None = None  # default: SQLite file under data_dir
     secret_key: str = DEV_SECRET
     log_level: str = "info"
+    log_format: Literal["text", "json"] = "text"  # json: one object a line, with request and session ids
     run_migrations_on_start: bool = True
     # Engine (in-process)
     model: str = "smollm2"  # "smollm2", a safetensors folder or a .gguf file
@@ -51,11 +52,20 @@ class Settings(BaseSettings):
     reply_top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     # Chat sessions and websocket limits
     session_timeout_seconds: int = Field(default=3600, ge=1)
+    # On SIGTERM: replies in flight get this long to finish (still streaming); what is cut off is stored incomplete.
+    shutdown_grace_seconds: float = Field(default=10.0, ge=0)
+    # Test hook (crash tests only): hold each reply's transaction open this long before its commit.
+    test_commit_delay_seconds: float = Field(default=0.0, ge=0, le=10)
     ws_max_message_bytes: int = Field(default=64 * 1024, ge=1024)
     ws_rate_per_second: float = Field(default=5.0, gt=0)
     ws_rate_burst: int = Field(default=10, ge=1)
     max_connections_per_tenant: int = Field(default=200, ge=1)
     max_connections_per_client: int = Field(default=20, ge=1)  # per customer ref, else per IP address
+    # A socket whose unsent frames pass either bound is closed (1008): a client that stops reading.
+    ws_max_queued_frames: int = Field(default=1024, ge=16)
+    ws_max_queued_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024)
+    # /metrics: when set, scrapers send "Authorization: Bearer <token>"; unset, only loopback clients are answered.
+    metrics_token: str | None = None
     max_request_bytes: int = Field(default=1024 * 1024, ge=1024)  # REST bodies; larger ones get a 413
     allowed_origins: list[str] = ["*"]
     # First start: the default tenant's keys. Unset → generated and printed once.
@@ -67,6 +77,12 @@ class Settings(BaseSettings):
         # NOTE: a deployment that forgot to set its secret must fail loudly at start, not run with a public one.
         if self.env != Environment.DEVELOPMENT and self.secret_key == DEV_SECRET:
             raise ValueError(f"KVCHAT_SECRET_KEY must be set to a non-default value when KVCHAT_ENV={self.env.value}")
+        return self
+
+    @model_validator(mode="after")
+    def _refuse_test_hooks_in_production(self) -> Self:
+        if self.env == Environment.PRODUCTION and self.test_commit_delay_seconds > 0:
+            raise ValueError("KVCHAT_TEST_COMMIT_DELAY_SECONDS is a test hook; it must be 0 in production")
         return self
 
     def engine_config(self) -> EngineConfig:

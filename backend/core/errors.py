@@ -4,7 +4,16 @@
     ├── SessionNotFoundError       session_not_found  404    close 4404 (on hello) / error frame
     ├── SessionClosedError         session_closed     409    error frame
     ├── MessageTooLongError        message_too_long   413    error frame (before the ack: nothing is stored)
-    └── ShuttingDownError          shutting_down      503    error frame (the server is draining; retry later)
+    ├── ShuttingDownError          shutting_down      503    error frame (the server is draining; retry later)
+    ├── TenantNotFoundError        tenant_not_found   404    —
+    ├── TenantExistsError          tenant_exists      409    —
+    ├── KeyNotFoundError           key_not_found      404    —
+    ├── RuleNotFoundError          rule_not_found     404    —
+    ├── RuleReadOnlyError          rule_read_only     403    —  (a global rule: shadow it by name instead)
+    └── RuleExistsError            rule_exists        409    —
+
+Context-layer errors (``backend.context.errors``: ``invalid_rule``, ``invalid_settings``, ``unknown_backend``: 422;
+``backend_unavailable``: 503) are mapped by the HTTP boundary too, with their own codes.
 
 Authentication failures are answered at the boundary itself (401 / close 4401). Engine errors (``engine.errors``)
 are mapped by ``engine_error_code`` below: busy → ``busy`` (websocket error frame with ``retry_after_ms``; HTTP 503 +
@@ -52,15 +61,46 @@ class MessageTooLongError(BackendError):
     code = "message_too_long"
     status = 413
 
-    def __init__(self, tokens: int, limit: int) -> None:
+    def __init__(self, tokens: int, limit: int, *, at_least: bool = False) -> None:
         self.tokens = tokens
         self.limit = limit
-        super().__init__(f"message too long: {tokens} tokens with the system prompt; the limit is {limit} tokens")
+        count = f"at least {tokens}" if at_least else str(tokens)
+        super().__init__(f"message too long: {count} tokens with the system prompt; the limit is {limit} tokens")
 
 
 class ShuttingDownError(BackendError):
     code = "shutting_down"
     status = 503
+
+
+class TenantNotFoundError(BackendError):
+    code = "tenant_not_found"
+    status = 404
+
+
+class TenantExistsError(BackendError):
+    code = "tenant_exists"
+    status = 409
+
+
+class KeyNotFoundError(BackendError):
+    code = "key_not_found"
+    status = 404
+
+
+class RuleNotFoundError(BackendError):
+    code = "rule_not_found"
+    status = 404
+
+
+class RuleReadOnlyError(BackendError):
+    code = "rule_read_only"
+    status = 403
+
+
+class RuleExistsError(BackendError):
+    code = "rule_exists"
+    status = 409
 
 
 def engine_error_code(exc: EngineError) -> str:

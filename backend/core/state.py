@@ -8,6 +8,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from backend.chat.service import ChatService
 from backend.core.config import Settings
+from backend.core.metrics import Metrics
 from engine.llm_engine import LLMEngine
 
 
@@ -18,3 +19,4 @@ class AppState:
     sessionmaker: async_sessionmaker[AsyncSession]
     engine: LLMEngine
     chat: ChatService
+    metrics: Metrics

@@ -6,7 +6,19 @@ import uuid
 from datetime import UTC, datetime
 from enum import StrEnum
 
-from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, Integer, MetaData, String, Text, UniqueConstraint
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -52,6 +64,29 @@ class MessageStatus(StrEnum):
     COMPLETE = "complete"
     INCOMPLETE = "incomplete"
     CANCELLED = "cancelled"
+    # NOTE: on a user message only: the bot owes it a reply (set when the turn is decided, cleared in the reply's
+    # transaction), so a restart finds the turns a crash cut off.
+    AWAITING_REPLY = "awaiting_reply"
+
+
+class HistoryPolicy(StrEnum):
+    """Which history the context builder sends (issue 21): everything, the current epoch in full, or a budget."""
+
+    FULL = "full"
+    EPOCH = "epoch"  # earlier epochs reduced to their identifier and clause blocks
+    BUDGET = "budget"  # the oldest turns go first
+
+
+class InvalidationReason(StrEnum):
+    """Why cached context was freed; one row of ``invalidation_events`` each time."""
+
+    PINNED_CONTEXT_EDITED = "pinned_context_edited"
+    MESSAGE_DELETED = "message_deleted"
+    MESSAGE_REDACTED = "message_redacted"
+    EPOCH_DROPPED = "epoch_dropped"
+    SESSION_CLOSED = "session_closed"
+    SESSION_TIMED_OUT = "session_timed_out"
+    ADMIN_FLUSH = "admin_flush"  # an admin flushed a session's cache, or the whole tenant's
 
 
 class Tenant(Base):
@@ -85,6 +120,11 @@ class ChatSession(Base):
     external_ref: Mapped[str | None] = mapped_column(String(200), nullable=True)
     status: Mapped[str] = mapped_column(String(32), default=SessionStatus.BOT_ACTIVE.value)
     context_version: Mapped[int] = mapped_column(Integer, default=0)
+    # The topic tracker's state (backend/context/topic.py): None until the first customer message.
+    semantic_temperature: Mapped[float | None] = mapped_column(Float, nullable=True)
+    topic_epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Customer facts an admin pinned to the session (the context builder's part 2); editing bumps context_version.
+    pinned_context: Mapped[str] = mapped_column(Text, default="", server_default="")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_active_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     closed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
@@ -109,3 +149,110 @@ class Message(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TenantContextSettings(Base):
+    """A tenant's context-layer settings; no row means the defaults (``backend/context`` dataclasses)."""
+
+    __tablename__ = "tenant_context_settings"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    history_policy: Mapped[str] = mapped_column(String(16), default=HistoryPolicy.EPOCH.value)
+    similarity_backend: Mapped[str] = mapped_column(String(16))
+    shift_threshold: Mapped[float] = mapped_column(Float)
+    start_temperature: Mapped[float] = mapped_column(Float)
+    shift_temperature: Mapped[float] = mapped_column(Float)
+    min_block_length: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class SplitterRule(Base):
+    """A splitter rule (``backend/context/rules.py``); ``tenant_id`` None = a global rule every tenant gets."""
+
+    __tablename__ = "splitter_rules"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_splitter_rules_tenant_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    name: Mapped[str] = mapped_column(String(100))
+    pattern: Mapped[str] = mapped_column(Text)
+    block_type: Mapped[str] = mapped_column(String(32))
+    priority: Mapped[int] = mapped_column(Integer)
+    language: Mapped[str] = mapped_column(String(8), default="any")
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    # NOTE: bumped on every ORM update: with the row count it is the version the compiled-rule cache checks.
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+
+
+class SemanticBlock(Base):
+    """One typed block of a stored message; ``parent_id`` is the block it refers back to (same session)."""
+
+    __tablename__ = "semantic_blocks"
+    __table_args__ = (
+        UniqueConstraint("message_id", "block_index", name="uq_semantic_blocks_message_index"),
+        Index("ix_semantic_blocks_session_epoch", "session_id", "topic_epoch"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    # NOTE: session_id repeats the message's session so the builder reads a session's blocks without a join.
+    session_id: Mapped[str] = mapped_column(ForeignKey("chat_sessions.id", ondelete="CASCADE"))
+    message_id: Mapped[int] = mapped_column(ForeignKey("messages.id", ondelete="CASCADE"))
+    block_index: Mapped[int] = mapped_column(Integer)
+    block_type: Mapped[str] = mapped_column(String(32))
+    char_start: Mapped[int] = mapped_column(Integer)
+    char_end: Mapped[int] = mapped_column(Integer)
+    token_count: Mapped[int] = mapped_column(Integer)
+    content_hash: Mapped[str] = mapped_column(String(64))
+    topic_epoch: Mapped[int] = mapped_column(Integer)
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("semantic_blocks.id", ondelete="SET NULL"), nullable=True)
+
+
+class TopicHistory(Base):
+    """The semantic temperature after each customer message of a session."""
+
+    __tablename__ = "topic_history"
+    __table_args__ = (UniqueConstraint("session_id", "message_seq", name="uq_topic_history_session_seq"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("chat_sessions.id", ondelete="CASCADE"))
+    message_seq: Mapped[int] = mapped_column(Integer)
+    similarity: Mapped[float | None] = mapped_column(Float, nullable=True)  # None: the session's first message
+    temperature: Mapped[float] = mapped_column(Float)
+    shift: Mapped[bool] = mapped_column(Boolean)
+    topic_epoch: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class InvalidationEvent(Base):
+    """Cached context the engine freed, and why. Kept when the session is deleted (``session_id`` goes NULL)."""
+
+    __tablename__ = "invalidation_events"
+    __table_args__ = (Index("ix_invalidation_events_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    session_id: Mapped[str | None] = mapped_column(
+        ForeignKey("chat_sessions.id", ondelete="SET NULL"), nullable=True, index=True
+    )
+    reason: Mapped[str] = mapped_column(String(32))
+    actor: Mapped[str] = mapped_column(String(200))  # "system", or the admin key's prefix
+    blocks_freed: Mapped[int] = mapped_column(Integer, default=0)
+    tokens_freed: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class AdminAudit(Base):
+    """One admin write action: who (the admin key's prefix), what, on which target, when, and how it ended."""
+
+    __tablename__ = "admin_audit"
+    __table_args__ = (Index("ix_admin_audit_tenant_at", "tenant_id", "at"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    result: Mapped[str] = mapped_column(String(64))  # "ok", or the error's stable code
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

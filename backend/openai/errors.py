@@ -116,6 +116,17 @@ def from_engine_error(exc: EngineError) -> OpenAIError:
     return OpenAIError(500, str(exc) or "internal engine error", "engine_error", error_type=SERVER_ERROR)
 
 
+def too_long_before_tokenizing(floor: int, limit: int) -> OpenAIError:
+    """A prompt whose length alone proves it cannot fit (refused without tokenizing it)."""
+    return OpenAIError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, your messages have at least {floor} "
+        "tokens. Please reduce the length of the messages.",
+        "context_length_exceeded",
+        param="messages",
+    )
+
+
 def from_validation_error(exc: RequestValidationError) -> OpenAIError:
     errors: Sequence[Any] = exc.errors()
     if not errors:

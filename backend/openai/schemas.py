@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.core.limits import SafeText
+from backend.core.limits import INT64_MAX, SafeText
 
 # NOTE: strict parsing of what clients send; the response models below are ours and stay lax.
 _STRICT = ConfigDict(strict=True)
@@ -55,17 +55,17 @@ class ChatCompletionRequest(BaseModel):
 
     model: SafeText
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=INT64_MAX)
     stop: SafeText | list[SafeText] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=INT64_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -75,8 +75,8 @@ class ChatCompletionRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     user: SafeText | None = None
     # vLLM's extensions
-    top_k: int | None = Field(default=None, ge=-1)
-    min_tokens: int = Field(default=0, ge=0)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
 
 

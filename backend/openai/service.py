@@ -22,11 +22,15 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from backend.context.stateless import segment_messages
+from backend.core.metrics import Metrics, ReplyTimer
+from backend.core.offload import run_cpu
 from backend.openai import schemas as s
-from backend.openai.errors import OpenAIError, from_engine_error, unsupported
+from backend.openai.errors import OpenAIError, from_engine_error, too_long_before_tokenizing, unsupported
 from engine.errors import EngineError, PromptTooLongError
 from engine.llm_engine import EngineInfo, LLMEngine
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, TokenDelta
+from engine.prompt import TokenizedPrompt
 from engine.sampling_params import SamplingParams
 
 MODEL_ALIAS = "default"
@@ -122,9 +126,10 @@ def sampling_params(req: s.ChatCompletionRequest, prompt_tokens: int, info: Engi
 class _Pending:
     """One submitted request; the engine's step thread feeds its events into an asyncio queue."""
 
-    def __init__(self, engine: LLMEngine, request_id: str) -> None:
+    def __init__(self, engine: LLMEngine, request_id: str, timer: ReplyTimer | None = None) -> None:
         self._engine = engine
         self.request_id = request_id
+        self._timer = timer
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[GenerationEvent | EngineError] = asyncio.Queue()
         self.finished: RequestFinished | None = None
@@ -142,6 +147,10 @@ class _Pending:
             raise event
         if isinstance(event, RequestFinished):
             self.finished = event
+        if self._timer is not None and isinstance(event, TokenDelta):
+            self._timer.delta()
+        elif self._timer is not None and isinstance(event, RequestFinished):
+            self._timer.finished(event.stats)
         return event
 
     def abort(self) -> None:
@@ -163,9 +172,14 @@ class ChatCompletions:
     """Runs one chat completion for a tenant; built per request around the app's engine."""
 
     def __init__(
-        self, engine: LLMEngine, keepalive_s: float = KEEPALIVE_S, disconnect_poll_s: float = DISCONNECT_POLL_S
+        self,
+        engine: LLMEngine,
+        metrics: Metrics | None = None,
+        keepalive_s: float = KEEPALIVE_S,
+        disconnect_poll_s: float = DISCONNECT_POLL_S,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics
         self.keepalive_s = keepalive_s
         self.disconnect_poll_s = disconnect_poll_s
 
@@ -173,10 +187,14 @@ class ChatCompletions:
         """Validate, tokenize and submit. Raises ``OpenAIError`` / ``EngineError`` before any byte is sent."""
         check_model(self.engine, req.model)
         check_supported(req)
-        # NOTE: off the event loop: a long prompt takes milliseconds to render and encode, and the loop serves
-        # every socket and probe of the process meanwhile.
-        token_ids = await asyncio.to_thread(self.engine.tokenize, chat_messages(req.messages))
-        params = sampling_params(req, len(token_ids), self.engine.info)
+        messages = chat_messages(req.messages)
+        floor, limit = self.engine.prompt_token_floor(m["content"] for m in messages), self.engine.prompt_limit
+        if floor >= limit:
+            raise too_long_before_tokenizing(floor, limit)
+        # NOTE: off the event loop, on the backend's one CPU worker: a long prompt takes milliseconds to render and
+        # encode, and the loop serves every socket and probe of the process meanwhile.
+        prompt = await run_cpu(self._tokenize, messages)
+        params = sampling_params(req, len(prompt.token_ids), self.engine.info)
         meta = _Meta(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
@@ -184,9 +202,13 @@ class ChatCompletions:
             fingerprint="fp_" + self.engine.info.fingerprint[:16],
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
-        pending = _Pending(self.engine, meta.id)
-        self.engine.submit(token_ids, params, namespace, pending.sink, request_id=meta.id)
+        pending = _Pending(self.engine, meta.id, self.metrics.reply_timer(namespace) if self.metrics else None)
+        self.engine.submit(prompt, params, namespace, pending.sink, request_id=meta.id)
         return pending, meta
+
+    def _tokenize(self, messages: list[dict[str, str]]) -> TokenizedPrompt:
+        """The messages, split into semantic blocks (so cache stats count them by type) and tokenized."""
+        return self.engine.tokenize_prompt(segment_messages(messages))
 
     async def complete(
         self, pending: _Pending, meta: _Meta, is_disconnected: Callable[[], Awaitable[bool]]

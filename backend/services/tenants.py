@@ -1,14 +1,20 @@
-"""Tenants and their API keys: first-start bootstrap and key authentication."""
+"""Tenants and their API keys: first-start bootstrap, creation, key issue / rotation / revocation, authentication.
+
+A key is shown once, when it is issued; only its sha256 is stored (``backend/core/security.py``).
+"""
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from backend.core.errors import KeyNotFoundError, TenantExistsError, TenantNotFoundError
 from backend.core.security import display_prefix, generate_key, hash_key
-from backend.db.models import ApiKey, KeyKind, Tenant
+from backend.db.models import ApiKey, KeyKind, Tenant, utcnow
 
 DEFAULT_TENANT = "default"
 DEFAULT_SYSTEM_PROMPT = (
@@ -55,12 +61,85 @@ async def _ensure_key(
     return key
 
 
+@dataclass(frozen=True, slots=True)
+class IssuedKey:
+    """A new key: ``key`` is the only time the secret is seen; store it now."""
+
+    id: str
+    kind: KeyKind
+    key: str
+    prefix: str
+
+
 async def create_tenant(db: AsyncSession, name: str, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> Tenant:
-    """Add a tenant (flushed, so its id is set; the caller commits). Give it keys with ``add_key``."""
+    """Add a tenant (flushed, so its id is set; the caller commits). Give it keys with ``issue_key``."""
+    if (await db.execute(select(Tenant.id).where(Tenant.name == name))).first() is not None:
+        raise TenantExistsError(f"a tenant named {name!r} already exists")
     tenant = Tenant(name=name, system_prompt=system_prompt)
     db.add(tenant)
+    try:
+        await db.flush()
+    except IntegrityError as exc:  # a concurrent create won the race for the name
+        raise TenantExistsError(f"a tenant named {name!r} already exists") from exc
+    return tenant
+
+
+async def get_tenant(db: AsyncSession, id_or_name: str) -> Tenant:
+    """A tenant by id or by name."""
+    row = await db.execute(select(Tenant).where((Tenant.id == id_or_name) | (Tenant.name == id_or_name)))
+    tenant = row.scalars().first()
+    if tenant is None:
+        raise TenantNotFoundError(f"no tenant {id_or_name!r}")
+    return tenant
+
+
+async def list_tenants(db: AsyncSession) -> list[Tenant]:
+    return list((await db.execute(select(Tenant).order_by(Tenant.created_at, Tenant.name))).scalars())
+
+
+async def set_system_prompt(db: AsyncSession, tenant_id: str, system_prompt: str) -> Tenant:
+    tenant = await get_tenant(db, tenant_id)
+    tenant.system_prompt = system_prompt
     await db.flush()
     return tenant
+
+
+async def issue_key(db: AsyncSession, tenant_id: str, kind: KeyKind) -> IssuedKey:
+    """Generate a key for the tenant (flushed; the caller commits)."""
+    key = generate_key(kind)
+    row = ApiKey(tenant_id=tenant_id, kind=kind.value, key_hash=hash_key(key), prefix=display_prefix(key))
+    db.add(row)
+    await db.flush()
+    return IssuedKey(row.id, kind, key, row.prefix)
+
+
+async def rotate_key(db: AsyncSession, tenant_id: str, kind: KeyKind) -> IssuedKey:
+    """Revoke every active key of ``kind`` and issue one new key, in the caller's transaction."""
+    await db.execute(
+        update(ApiKey)
+        .where(ApiKey.tenant_id == tenant_id, ApiKey.kind == kind.value, ApiKey.revoked_at.is_(None))
+        .values(revoked_at=utcnow())
+    )
+    return await issue_key(db, tenant_id, kind)
+
+
+async def revoke_key(db: AsyncSession, key_id: str, tenant_id: str | None = None) -> ApiKey:
+    """Revoke a key by id (within ``tenant_id`` when given). Revoking twice is not an error."""
+    query = select(ApiKey).where(ApiKey.id == key_id)
+    if tenant_id is not None:
+        query = query.where(ApiKey.tenant_id == tenant_id)
+    key = (await db.execute(query)).scalar_one_or_none()
+    if key is None:
+        raise KeyNotFoundError(f"no key {key_id!r}")
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        await db.flush()
+    return key
+
+
+async def list_keys(db: AsyncSession, tenant_id: str) -> list[ApiKey]:
+    query = select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at, ApiKey.kind)
+    return list((await db.execute(query)).scalars())
 
 
 async def add_key(db: AsyncSession, tenant_id: str, kind: KeyKind, key: str) -> None:
@@ -74,9 +153,16 @@ async def authenticate(db: AsyncSession, key: str, kind: KeyKind) -> Tenant | No
     """The tenant owning ``key`` for ``kind`` (chat or admin), or None. Revoked keys never authenticate."""
     if not key:
         return None
+    digest = hash_key(key)
+    # NOTE: looked up by the key's sha256, so how long the lookup takes says nothing about the key itself; the
+    # digest is compared once more in constant time, so no comparison of ours ever ends early on a secret.
     row = await db.execute(
-        select(Tenant)
+        select(Tenant, ApiKey.key_hash)
         .join(ApiKey, ApiKey.tenant_id == Tenant.id)
-        .where(ApiKey.key_hash == hash_key(key), ApiKey.kind == kind.value, ApiKey.revoked_at.is_(None))
+        .where(ApiKey.key_hash == digest, ApiKey.kind == kind.value, ApiKey.revoked_at.is_(None))
     )
-    return row.scalar_one_or_none()
+    found = row.first()
+    if found is None or not hmac.compare_digest(found[1], digest):
+        return None
+    tenant: Tenant = found[0]
+    return tenant

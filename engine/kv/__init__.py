@@ -7,13 +7,14 @@ from engine.kv.block_meta import BlockMeta, SpanMap, TokenSpan
 from engine.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from engine.kv.cache_stats import CacheStats, InvalidationCounts
 from engine.kv.dependency_index import DependencyIndex
-from engine.kv.kv_cache_manager import InvalidationResult, KVCacheManager, KVCacheUsage, MatchResult
+from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult, KVCacheManager, KVCacheUsage, MatchResult
 from engine.kv.session_index import SessionIndex
 
 __all__ = [
     "BlockHash",
     "BlockMeta",
     "BlockPool",
+    "CacheFootprint",
     "CacheStats",
     "DependencyIndex",
     "FreeBlockQueue",

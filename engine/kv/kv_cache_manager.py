@@ -57,6 +57,14 @@ class InvalidationResult:
     deferred: int  # blocks in-flight requests hold: unpublished now, back in the free queue when released
 
 
+@dataclass(frozen=True, slots=True)
+class CacheFootprint:
+    """What a session still occupies in the cache: its recorded chain's blocks that are cached right now."""
+
+    blocks: int
+    tokens: int
+
+
 @dataclass(slots=True)
 class _RequestBlocks:
     blocks: list[KVBlock] = field(default_factory=list)
@@ -283,6 +291,24 @@ class KVCacheManager:
         result = InvalidationResult(len(victims), len(victims) * self.block_size, deferred)
         self._stats.invalidated(reason, result.blocks_freed, result.tokens_freed, deferred)
         return result
+
+    def flush_root(self, root: BlockHash, *, reason: str = "flushed") -> InvalidationResult:
+        """Free every cached block of the chain rooted at ``root`` (a whole namespace), as ``invalidate`` does.
+
+        A block a running request holds is unpublished now and freed when its last holder releases it. Other roots'
+        blocks are never touched.
+        """
+        deps = self.pool.deps
+        own = [h for h in self.pool.cached if deps.root_of(h) == root]  # publication order: deterministic
+        published = set(own)
+        # NOTE: only the tops of the namespace's trees are named (a block whose parent is the root, or was evicted by
+        # LRU): invalidate() takes each one's subtree, so naming every block would walk each chain once per block.
+        tops = [h for h in own if deps.parent(h) not in published]
+        return self.invalidate(tops, root=root, reason=reason)
+
+    def num_cached(self, hashes: Iterable[BlockHash]) -> int:
+        """How many distinct blocks of ``hashes`` are cached right now. No side effects."""
+        return sum(1 for h in set(hashes) if h in self.pool.cached)
 
     def block_table(self, request_id: str) -> list[int]:
         """Physical block ids of the request in logical order (empty for an unknown request)."""

@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -229,12 +230,18 @@ def convert_gguf(gguf: Path, models_dir: Path) -> Path:
             _keep_blocks(gguf, target)
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
-    log.info("converting GGUF %s to safetensors under %s (once)", gguf.name, target)
+    log.info(
+        "converting GGUF %s to safetensors under %s: once, about a minute on 2 cores (later starts take seconds)",
+        gguf.name,
+        target,
+    )
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(dir=models_dir, prefix=f".{target.name}.tmp-"))
     try:
-        _convert_into(gguf, tmp)
-        _keep_blocks(gguf, tmp)
+        with _heartbeat(f"still converting {gguf.name}"):
+            _convert_into(gguf, tmp)
+            log.info("keeping the quantized blocks of %s beside the dense weights", gguf.name)
+            _keep_blocks(gguf, tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -244,6 +251,25 @@ def convert_gguf(gguf: Path, models_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s in %.1fs", gguf.name, time.monotonic() - started)
     return target
+
+
+@contextmanager
+def _heartbeat(what: str, every_s: float = 10.0) -> Iterator[None]:
+    """Log ``what`` with the elapsed time every ``every_s`` while the block runs, so a long step shows progress."""
+    done = threading.Event()
+    started = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            log.info("%s… %.0fs", what, time.monotonic() - started)
+
+    thread = threading.Thread(target=beat, name="kvchat-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _keep_blocks(gguf: Path, folder: Path) -> None:
@@ -273,18 +299,22 @@ def _convert_into(gguf: Path, out: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
+        log.info("1/4 reading the GGUF's config")
         config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the saved weights are dense (dequantized)
         ModelSpec.from_hf_config(config.to_dict())  # reject unsupported architectures before dequantizing
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
+        log.info("2/4 dequantizing the weights to float32 (the long step)")
         parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32)
+        log.info("3/4 reading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except ModelLoadError:
         raise
     except Exception as exc:  # the GGUF reader raises ValueError/KeyError/IndexError/... on a corrupt file
         raise ModelLoadError(f"cannot convert GGUF file {gguf.name!r}: {type(exc).__name__}: {exc}") from exc
+    log.info("4/4 writing safetensors")
     tensors = {name: t.contiguous() for name, t in parsed["tensors"].items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": gguf.name})
     config.architectures = [type(skeleton).__name__]

@@ -1,4 +1,5 @@
-"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite."""
+"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002 and 0004 up and down
+alone."""
 
 from __future__ import annotations
 
@@ -6,13 +7,18 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from backend.context.rules import DEFAULT_RULES
 from backend.db import migrate
 from backend.db.models import Base
 
-EXPECTED_TABLES = {"tenants", "api_keys", "chat_sessions", "messages"}
+TABLES_0001 = {"tenants", "api_keys", "chat_sessions", "messages"}
+TABLES_0002 = {"splitter_rules", "semantic_blocks", "topic_history", "invalidation_events", "tenant_context_settings"}
+TABLES_0004 = {"admin_audit"}
+EXPECTED_TABLES = TABLES_0001 | TABLES_0002 | TABLES_0004
+SESSION_COLUMNS_0002 = {"semantic_temperature", "topic_epoch"}
 
 
 async def _tables(url: str) -> set[str]:
@@ -23,6 +29,26 @@ async def _tables(url: str) -> set[str]:
     finally:
         await engine.dispose()
     return names - {"alembic_version"}
+
+
+async def _session_columns(url: str) -> set[str]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            columns = await conn.run_sync(lambda c: inspect(c).get_columns("chat_sessions"))
+    finally:
+        await engine.dispose()
+    return {c["name"] for c in columns}
+
+
+async def _execute(url: str, sql: str) -> list[tuple[object, ...]]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as conn:
+            result = await conn.execute(text(sql))
+            return [tuple(row) for row in result] if result.returns_rows else []
+    finally:
+        await engine.dispose()
 
 
 def _roundtrip(url: str) -> None:
@@ -36,6 +62,68 @@ def _roundtrip(url: str) -> None:
     assert asyncio.run(_tables(url)) == EXPECTED_TABLES
 
 
+def _context_layer_up_and_down(url: str) -> None:
+    """0001 → 0002 with a session already stored, back to 0001, and up again."""
+    migrate.upgrade(url, "0001")
+    asyncio.run(
+        _execute(
+            url,
+            "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', '', '2026-01-01')",
+        )
+    )
+    asyncio.run(
+        _execute(
+            url,
+            "INSERT INTO chat_sessions (id, tenant_id, status, context_version, created_at, last_active_at) "
+            "VALUES ('s1', 't1', 'bot_active', 0, '2026-01-01', '2026-01-01')",
+        )
+    )
+    migrate.upgrade(url, "0002")
+    assert asyncio.run(_tables(url)) == TABLES_0001 | TABLES_0002
+    assert asyncio.run(_session_columns(url)) >= SESSION_COLUMNS_0002
+    assert asyncio.run(_execute(url, "SELECT topic_epoch, semantic_temperature FROM chat_sessions")) == [(0, None)]
+    seeded = asyncio.run(
+        _execute(url, "SELECT name, pattern, block_type, priority, language, tenant_id FROM splitter_rules ORDER BY id")
+    )
+    # The migration's frozen seed still equals today's defaults (when the defaults change, write a migration).
+    assert seeded == [(r.name, r.pattern, r.block_type.value, r.priority, r.language, None) for r in DEFAULT_RULES]
+    migrate.downgrade(url, "0001")
+    assert asyncio.run(_tables(url)) == TABLES_0001
+    assert not SESSION_COLUMNS_0002 & asyncio.run(_session_columns(url))
+    assert asyncio.run(_execute(url, "SELECT id FROM chat_sessions")) == [("s1",)]  # the session survived both ways
+    migrate.upgrade(url, "0002")
+    assert asyncio.run(_tables(url)) == TABLES_0001 | TABLES_0002
+
+
+def _admin_audit_up_and_down(url: str) -> None:
+    """0003 → 0004 with a tenant stored, an audit row written, back to 0003 (the table goes, the tenant stays), up."""
+    migrate.upgrade(url, "0003")
+    asyncio.run(
+        _execute(
+            url,
+            "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', '', '2026-01-01')",
+        )
+    )
+    migrate.upgrade(url, "0004")
+    assert asyncio.run(_tables(url)) == EXPECTED_TABLES
+    asyncio.run(
+        _execute(
+            url,
+            "INSERT INTO admin_audit (tenant_id, actor, action, target, result, at) "
+            "VALUES ('t1', 'kvc_admin_ab', 'session.flush', 's1', 'ok', '2026-01-01')",
+        )
+    )
+    assert asyncio.run(_execute(url, "SELECT id, actor, action, target, result FROM admin_audit")) == [
+        (1, "kvc_admin_ab", "session.flush", "s1", "ok")
+    ]
+    migrate.downgrade(url, "0003")
+    assert asyncio.run(_tables(url)) == TABLES_0001 | TABLES_0002
+    assert asyncio.run(_execute(url, "SELECT id FROM tenants")) == [("t1",)]
+    migrate.upgrade(url, "0004")
+    assert asyncio.run(_tables(url)) == EXPECTED_TABLES
+    assert asyncio.run(_execute(url, "SELECT count(*) FROM admin_audit")) == [(0,)]
+
+
 @pytest.mark.postgres
 def test_postgres_upgrade_to_head_and_back(pg_empty_url: str) -> None:
     _roundtrip(pg_empty_url)
@@ -43,3 +131,21 @@ def test_postgres_upgrade_to_head_and_back(pg_empty_url: str) -> None:
 
 def test_sqlite_upgrade_to_head_and_back(tmp_path: Path) -> None:
     _roundtrip(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+
+
+@pytest.mark.postgres
+def test_postgres_context_layer_revision_up_and_down(pg_empty_url: str) -> None:
+    _context_layer_up_and_down(pg_empty_url)
+
+
+def test_sqlite_context_layer_revision_up_and_down(tmp_path: Path) -> None:
+    _context_layer_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+
+
+@pytest.mark.postgres
+def test_postgres_admin_audit_revision_up_and_down(pg_empty_url: str) -> None:
+    _admin_audit_up_and_down(pg_empty_url)
+
+
+def test_sqlite_admin_audit_revision_up_and_down(tmp_path: Path) -> None:
+    _admin_audit_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")

@@ -1,4 +1,9 @@
-"""Admin: list, inspect, close, delete chat sessions; export transcripts (JSON or plain text)."""
+"""Admin: search, inspect, close and delete chat sessions; export transcripts (JSON or plain text); a session's detail
+(blocks, temperature history, invalidations, cache footprint); flush a session's cache.
+
+Each route is one call into ``backend/services/session_admin.py``; a session of another tenant is a 404, like one
+that does not exist.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,17 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Response, status
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from backend.api.deps import AdminDep, DbDep, StateDep
+from backend.api.deps import AdminDep, DbDep, StateDep, audited
 from backend.chat.protocol import MessageOut
 from backend.chat.service import message_out
-from backend.core.limits import QueryOffset, SessionId
-from backend.db.models import ChatSession, SessionStatus
-from backend.services import sessions as store
+from backend.context.blocks import Block
+from backend.core.limits import ExternalRef, QueryOffset, SafeText, SessionId
+from backend.db.models import ChatSession, InvalidationEvent, SessionStatus, TopicHistory
+from backend.services import cache_admin, session_admin
+from backend.services.session_admin import SessionDetail, SessionQuery
+from engine.kv.kv_cache_manager import InvalidationResult
 
 router = APIRouter(prefix="/admin/sessions", tags=["admin: sessions"])
 
@@ -26,6 +34,8 @@ class SessionOut(BaseModel):
     external_ref: str | None
     status: str
     context_version: int
+    semantic_temperature: float | None
+    topic_epoch: int
     created_at: datetime
     last_active_at: datetime
     closed_at: datetime | None
@@ -37,6 +47,8 @@ class SessionOut(BaseModel):
             external_ref=s.external_ref,
             status=s.status,
             context_version=s.context_version,
+            semantic_temperature=s.semantic_temperature,
+            topic_epoch=s.topic_epoch,
             created_at=s.created_at,
             last_active_at=s.last_active_at,
             closed_at=s.closed_at,
@@ -52,8 +64,104 @@ class StatusChange(BaseModel):
     status: SessionStatus
 
 
-async def _session(db: DbDep, tenant_id: str, session_id: str) -> ChatSession:
-    return await store.get_session(db, tenant_id, session_id)  # SessionNotFoundError: a 404 (api/boundary.py)
+class PinnedContextIn(BaseModel):
+    pinned_context: Annotated[SafeText, Field(max_length=8000)]
+
+
+class PinnedContextOut(BaseModel):
+    session: SessionOut
+    pinned_context: str
+    blocks_freed: int  # cached blocks freed because they depended on the old pinned context
+    tokens_freed: int
+    deferred: int  # blocks a reply in flight holds: freed when it ends
+
+
+class FlushOut(BaseModel):
+    blocks_freed: int  # cached blocks freed now
+    tokens_freed: int
+
+    @classmethod
+    def of(cls, r: InvalidationResult) -> FlushOut:
+        return cls(blocks_freed=r.blocks_freed, tokens_freed=r.tokens_freed)
+
+
+class BlockRef(BaseModel):
+    seq: int  # the message's seq
+    index: int  # the block's index in that message
+
+
+class BlockOut(BaseModel):
+    index: int
+    type: str
+    start: int  # character span in the message's content
+    end: int
+    parent: BlockRef | None  # the block it refers back to ("step 2 of that")
+
+    @classmethod
+    def of(cls, b: Block) -> BlockOut:
+        parent = None if b.parent is None else BlockRef(seq=b.parent.seq, index=b.parent.index)
+        return cls(index=b.key.index, type=b.type.value, start=b.start, end=b.end, parent=parent)
+
+
+class DetailedMessage(MessageOut):
+    blocks: list[BlockOut]
+
+
+class TemperaturePoint(BaseModel):
+    seq: int  # the customer message that moved the topic
+    similarity: float | None  # None for the session's first message
+    temperature: float
+    shift: bool
+    epoch: int
+
+    @classmethod
+    def of(cls, t: TopicHistory) -> TemperaturePoint:
+        return cls(
+            seq=t.message_seq, similarity=t.similarity, temperature=t.temperature, shift=t.shift, epoch=t.topic_epoch
+        )
+
+
+class InvalidationOut(BaseModel):
+    reason: str
+    actor: str
+    blocks_freed: int
+    tokens_freed: int
+    at: datetime
+
+    @classmethod
+    def of(cls, e: InvalidationEvent) -> InvalidationOut:
+        return cls(
+            reason=e.reason, actor=e.actor, blocks_freed=e.blocks_freed, tokens_freed=e.tokens_freed, at=e.created_at
+        )
+
+
+class FootprintOut(BaseModel):
+    blocks: int
+    tokens: int
+
+
+class SessionDetailOut(BaseModel):
+    session: SessionOut
+    pinned_context: str
+    messages: list[DetailedMessage]
+    temperature_history: list[TemperaturePoint]
+    invalidation_events: list[InvalidationOut]
+    cache_footprint: FootprintOut
+
+    @classmethod
+    def of(cls, d: SessionDetail) -> SessionDetailOut:
+        messages = [
+            DetailedMessage(**message_out(m).model_dump(), blocks=[BlockOut.of(b) for b in d.blocks.get(m.seq, [])])
+            for m in d.messages
+        ]
+        return cls(
+            session=SessionOut.of(d.session),
+            pinned_context=d.session.pinned_context,
+            messages=messages,
+            temperature_history=[TemperaturePoint.of(t) for t in d.topics],
+            invalidation_events=[InvalidationOut.of(e) for e in d.invalidations],
+            cache_footprint=FootprintOut(blocks=d.footprint.blocks, tokens=d.footprint.tokens),
+        )
 
 
 @router.get("", response_model=list[SessionOut])
@@ -61,34 +169,75 @@ async def list_sessions(
     tenant: AdminDep,
     db: DbDep,
     status_filter: Annotated[SessionStatus | None, Query(alias="status")] = None,
+    external_ref: Annotated[ExternalRef | None, Query(description="the customer's reference, exact")] = None,
+    created_after: Annotated[datetime | None, Query()] = None,
+    created_before: Annotated[datetime | None, Query()] = None,
+    min_temperature: Annotated[float | None, Query(ge=0, le=1)] = None,
+    max_temperature: Annotated[float | None, Query(ge=0, le=1)] = None,
+    topic_epoch: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[QueryOffset, Query()] = 0,
 ) -> list[SessionOut]:
-    return [SessionOut.of(s) for s in await store.list_sessions(db, tenant.id, status_filter, limit, offset)]
+    """The tenant's sessions, most recently active first, filtered and paged."""
+    query = SessionQuery(
+        status_filter,
+        external_ref,
+        created_after,
+        created_before,
+        min_temperature,
+        max_temperature,
+        topic_epoch,
+        limit,
+        offset,
+    )
+    return [SessionOut.of(s) for s in await session_admin.search_sessions(db, tenant.id, query)]
 
 
 @router.get("/{session_id}", response_model=SessionOut)
 async def get_session(session_id: SessionIdPath, tenant: AdminDep, db: DbDep) -> SessionOut:
-    return SessionOut.of(await _session(db, tenant.id, session_id))
+    return SessionOut.of(await session_admin.get_session(db, tenant.id, session_id))
 
 
-@router.post("/{session_id}/status", response_model=SessionOut)
+@router.get("/{session_id}/detail", response_model=SessionDetailOut)
+async def session_detail(session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep) -> SessionDetailOut:
+    """Messages with their semantic blocks, the temperature history, invalidation events and the cache footprint."""
+    return SessionDetailOut.of(await session_admin.detail(db, state.engine, tenant.id, session_id))
+
+
+@router.post("/{session_id}/flush", response_model=FlushOut, dependencies=[audited("session.flush")])
+async def flush_session(session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep) -> FlushOut:
+    """Free the session's cached KV blocks (what other sessions share stays); the session stays open."""
+    return FlushOut.of(await cache_admin.flush_session(db, state.engine, tenant.id, session_id))
+
+
+@router.post("/{session_id}/status", response_model=SessionOut, dependencies=[audited("session.status")])
 async def change_status(
     session_id: SessionIdPath, body: StatusChange, tenant: AdminDep, db: DbDep, state: StateDep
 ) -> SessionOut:
     """Set a session's status (e.g. ``resolved``, ``closed``); closing releases the session's engine cache."""
-    session = await _session(db, tenant.id, session_id)
-    await state.chat.set_status(session_id, body.status)
-    await db.refresh(session)
-    return SessionOut.of(session)
+    return SessionOut.of(await session_admin.set_status(db, state.chat, tenant.id, session_id, body.status))
 
 
-@router.delete("/{session_id}", status_code=status.HTTP_204_NO_CONTENT)
+@router.put("/{session_id}/context", response_model=PinnedContextOut, dependencies=[audited("session.context")])
+async def set_pinned_context(
+    session_id: SessionIdPath, body: PinnedContextIn, tenant: AdminDep, db: DbDep, state: StateDep
+) -> PinnedContextOut:
+    """Replace the session's pinned context (customer facts); the cached context that depended on it is freed."""
+    edit = await session_admin.set_pinned_context(db, state.chat, tenant.id, session_id, body.pinned_context)
+    freed = edit.freed
+    return PinnedContextOut(
+        session=SessionOut.of(edit.session),
+        pinned_context=edit.session.pinned_context,
+        blocks_freed=freed.blocks_freed,
+        tokens_freed=freed.tokens_freed,
+        deferred=freed.deferred,
+    )
+
+
+@router.delete("/{session_id}", status_code=status.HTTP_204_NO_CONTENT, dependencies=[audited("session.delete")])
 async def delete_session(session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep) -> Response:
-    await _session(db, tenant.id, session_id)
-    state.chat.cancel(session_id, None)
-    await store.delete_session(db, tenant.id, session_id)
-    state.chat.release_cache(session_id)
+    """Erase the session: its messages and its cached KV."""
+    await session_admin.delete_session(db, state.chat, tenant.id, session_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -99,12 +248,8 @@ async def transcript(
     db: DbDep,
     fmt: Annotated[Literal["json", "text"], Query(alias="format")] = "json",
 ) -> Transcript | PlainTextResponse:
-    session = await _session(db, tenant.id, session_id)
-    messages = [message_out(m) for m in await store.messages_after(db, session_id, 0)]
-    if fmt == "json":
-        return Transcript(session=SessionOut.of(session), messages=messages)
-    lines = [f"Session {session.id} ({session.status}), started {session.created_at.isoformat()}", ""]
-    for m in messages:
-        note = "" if m.status == "complete" else f" [{m.status}]"
-        lines.append(f"[{m.seq}] {m.created_at.isoformat()} {m.role}{note}: {m.content}")
-    return PlainTextResponse("\n".join(lines) + "\n")
+    """The whole conversation, as JSON or as plain text."""
+    t = await session_admin.transcript(db, tenant.id, session_id)
+    if fmt == "text":
+        return PlainTextResponse(t.as_text())
+    return Transcript(session=SessionOut.of(t.session), messages=[message_out(m) for m in t.messages])

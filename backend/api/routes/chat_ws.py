@@ -20,6 +20,8 @@ async def chat_socket(ws: WebSocket) -> None:
         burst=s.ws_rate_burst,
         max_connections_per_tenant=s.max_connections_per_tenant,
         max_connections_per_client=s.max_connections_per_client,
+        max_queued_frames=s.ws_max_queued_frames,
+        max_queued_bytes=s.ws_max_queued_bytes,
         allowed_origins=tuple(s.allowed_origins),
     )
-    await ChatConnection(ws, state.chat, limits).serve()
+    await ChatConnection(ws, state.chat, limits, state.metrics).serve()

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Security
 from fastapi.responses import StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials
 
-from backend.api.deps import StateDep, bearer_token
+from backend.api.deps import BEARER, StateDep, bearer_token
 from backend.db.models import KeyKind, Tenant
 from backend.openai import service
 from backend.openai.errors import OpenAIRoute, unauthorized
@@ -22,7 +23,9 @@ _ERRORS: dict[int | str, dict[str, object]] = {code: {"model": ErrorResponse} fo
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute, responses=_ERRORS)
 
 
-async def _chat_tenant(request: Request, state: StateDep) -> Tenant:
+async def _chat_tenant(
+    request: Request, state: StateDep, _bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)] = None
+) -> Tenant:
     # NOTE: its own short DB session, not DbDep: a streamed reply must not hold a pooled connection while it runs.
     async with state.sessionmaker() as db:
         tenant = await authenticate(db, bearer_token(request), KeyKind.CHAT)
@@ -49,7 +52,7 @@ async def get_model(model_id: str, _: ChatTenantDep, state: StateDep) -> ModelCa
 async def chat_completions(
     body: ChatCompletionRequest, tenant: ChatTenantDep, state: StateDep, request: Request
 ) -> ChatCompletion | StreamingResponse:
-    completions = service.ChatCompletions(state.engine)
+    completions = service.ChatCompletions(state.engine, state.metrics)
     pending, meta = await completions.start(body, namespace=tenant.id)
     if body.stream:
         return completions.stream(pending, meta)

@@ -47,3 +47,9 @@ def test_production_refuses_default_secret() -> None:
 def test_bad_port_is_rejected() -> None:
     with pytest.raises(ValidationError):
         Settings(port=70000)
+
+
+def test_the_commit_delay_test_hook_is_refused_in_production() -> None:
+    with pytest.raises(ValidationError, match="test hook"):
+        Settings(env="production", secret_key="s" * 32, test_commit_delay_seconds=1.0)
+    assert Settings(env="test", secret_key="s" * 32, test_commit_delay_seconds=1.0).test_commit_delay_seconds == 1.0

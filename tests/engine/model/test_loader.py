@@ -204,3 +204,13 @@ def test_a_cache_converted_without_blocks_gets_them_once(smollm2_cache: str) -> 
     assert again.path == folder
     assert blocks.is_file()
     assert len(gguf_blocks.read(folder)) == 7 * 30 + 1  # q, k, v, o, gate, up, down per layer + the embedding
+
+
+def test_a_long_step_logs_its_progress(caplog: pytest.LogCaptureFixture) -> None:
+    from engine.model.loader import _heartbeat
+
+    with caplog.at_level("INFO", logger="engine.model.loader"), _heartbeat("still converting x.gguf", every_s=0.05):
+        time.sleep(0.3)
+    beats = [r.getMessage() for r in caplog.records if r.getMessage().startswith("still converting x.gguf… ")]
+    assert len(beats) >= 2
+    assert all(m.endswith("s") for m in beats)

@@ -1,0 +1,144 @@
+"""Admin: the tenant's own settings and keys (system prompt; rotate the chat token or the admin key), its
+context-layer settings, and a flush of its whole prefix cache."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Path
+from pydantic import BaseModel, ConfigDict, Field
+
+from backend.api.deps import AdminDep, DbDep, StateDep, audited
+from backend.api.routes.admin_sessions import FlushOut
+from backend.core.limits import SafeText
+from backend.db.models import ApiKey, HistoryPolicy, KeyKind, Tenant
+from backend.services import cache_admin, tenant_admin, tenants
+from backend.services.context_store import ContextSettings
+from backend.services.tenant_admin import SettingsChange
+
+router = APIRouter(prefix="/admin/tenant", tags=["admin: tenant"])
+
+
+class TenantOut(BaseModel):
+    id: str
+    name: str
+    system_prompt: str
+    created_at: datetime
+
+    @classmethod
+    def of(cls, t: Tenant) -> TenantOut:
+        return cls(id=t.id, name=t.name, system_prompt=t.system_prompt, created_at=t.created_at)
+
+
+class SystemPromptIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    system_prompt: Annotated[SafeText, Field(max_length=100_000)]
+
+
+class KeyOut(BaseModel):
+    id: str
+    kind: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @classmethod
+    def of(cls, k: ApiKey) -> KeyOut:
+        return cls(id=k.id, kind=k.kind, prefix=k.prefix, created_at=k.created_at, revoked_at=k.revoked_at)
+
+
+class RotateIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: KeyKind
+
+
+class IssuedKeyOut(BaseModel):
+    id: str
+    kind: str
+    prefix: str
+    key: str = Field(description="the new key: shown this once, only its hash is kept")
+
+
+class ContextSettingsIO(BaseModel):
+    """The tenant's context-layer settings (``PUT`` replaces them all; the next message uses them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    history_policy: HistoryPolicy = Field(description="full, epoch (earlier topics reduced) or budget")
+    shift_threshold: float = Field(ge=0, le=1, description="similarity under which a message starts a new topic")
+    start_temperature: float = Field(ge=0, le=1)
+    shift_temperature: float = Field(ge=0, le=1)
+    min_block_length: int = Field(ge=1, le=4096, description="tokens; shorter fragments are merged")
+    similarity_backend: Literal["minilm", "tfidf"]
+
+    @classmethod
+    def of(cls, s: ContextSettings) -> ContextSettingsIO:
+        t = s.topic
+        return cls(
+            history_policy=s.history_policy,
+            shift_threshold=t.shift_threshold,
+            start_temperature=t.start_temperature,
+            shift_temperature=t.shift_temperature,
+            min_block_length=s.min_block_length,
+            similarity_backend=t.backend,  # type: ignore[arg-type]
+        )
+
+    def change(self) -> SettingsChange:
+        return SettingsChange(
+            self.history_policy,
+            self.shift_threshold,
+            self.start_temperature,
+            self.shift_temperature,
+            self.min_block_length,
+            self.similarity_backend,
+        )
+
+
+@router.get("", response_model=TenantOut)
+async def get_tenant(tenant: AdminDep) -> TenantOut:
+    return TenantOut.of(tenant)
+
+
+@router.put("/system-prompt", response_model=TenantOut, dependencies=[audited("tenant.system_prompt")])
+async def set_system_prompt(body: SystemPromptIn, tenant: AdminDep, db: DbDep) -> TenantOut:
+    """Replace the system prompt every session of the tenant starts with (the next turns use it)."""
+    return TenantOut.of(await tenant_admin.set_system_prompt(db, tenant.id, body.system_prompt))
+
+
+@router.get("/keys", response_model=list[KeyOut])
+async def list_keys(tenant: AdminDep, db: DbDep) -> list[KeyOut]:
+    """The tenant's keys (prefixes only; a key is never shown again after it was issued)."""
+    return [KeyOut.of(k) for k in await tenants.list_keys(db, tenant.id)]
+
+
+@router.post("/keys/rotate", response_model=IssuedKeyOut, dependencies=[audited("key.rotate")])
+async def rotate_key(body: RotateIn, tenant: AdminDep, db: DbDep) -> IssuedKeyOut:
+    """Revoke every active key of ``kind`` (``chat`` or ``admin``) and issue a new one, shown once."""
+    issued = await tenant_admin.rotate_key(db, tenant.id, body.kind)
+    return IssuedKeyOut(id=issued.id, kind=issued.kind.value, prefix=issued.prefix, key=issued.key)
+
+
+@router.post("/keys/{key_id}/revoke", response_model=KeyOut, dependencies=[audited("key.revoke")])
+async def revoke_key(key_id: Annotated[SafeText, Path(max_length=36)], tenant: AdminDep, db: DbDep) -> KeyOut:
+    """Revoke one of the tenant's keys (its requests are refused from now on)."""
+    return KeyOut.of(await tenant_admin.revoke_key(db, tenant.id, key_id))
+
+
+@router.get("/context-settings", response_model=ContextSettingsIO)
+async def get_context_settings(tenant: AdminDep, db: DbDep) -> ContextSettingsIO:
+    return ContextSettingsIO.of(await tenant_admin.load_settings(db, tenant.id))
+
+
+@router.put("/context-settings", response_model=ContextSettingsIO, dependencies=[audited("tenant.context_settings")])
+async def set_context_settings(body: ContextSettingsIO, tenant: AdminDep, db: DbDep) -> ContextSettingsIO:
+    """Replace the tenant's context settings; the next message of every session uses them."""
+    return ContextSettingsIO.of(await tenant_admin.save_settings(db, tenant.id, body.change()))
+
+
+@router.post("/flush", response_model=FlushOut, dependencies=[audited("tenant.flush")])
+async def flush_tenant(tenant: AdminDep, db: DbDep, state: StateDep) -> FlushOut:
+    """Free every cached KV block of the tenant (blocks a reply in flight holds go when it ends)."""
+    return FlushOut.of(await cache_admin.flush_tenant(db, state.engine, tenant.id))

@@ -1,0 +1,198 @@
+"""Prometheus metrics of one app: the engine's (vLLM-style ``kvchat:`` names) and the backend's.
+
+Engine gauges and counters are read from ``LLMEngine.stats()`` when ``/metrics`` is scraped (nothing to keep in
+step); latency histograms are observed as replies stream. Each app owns its registry, so several apps in one process
+(tests) never collide. NOTE: no label ever carries a user, session or tenant identifier: a label value per customer
+would grow the series without bound and leak who uses the service.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Buckets of vLLM's TTFT / inter-token histograms (seconds), which dashboards built for vLLM expect.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class EngineCollector(Collector):
+    """Engine gauges and counters, read at scrape time."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        if not self._engine.is_running:
+            return
+        s = self._engine.stats()
+        info = self._engine.info
+        block_bytes = info.block_size * info.kv_bytes_per_token
+        yield GaugeMetricFamily("kvchat:num_requests_running", "Requests in the running batch.", s.running)
+        yield GaugeMetricFamily("kvchat:num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
+        usage = s.kv.num_used_blocks / s.kv.num_blocks if s.kv.num_blocks else 0.0
+        yield GaugeMetricFamily("kvchat:kv_cache_usage_perc", "Share of KV blocks held by requests (0-1).", usage)
+        by_tier = GaugeMetricFamily(
+            "kvchat:kv_cache_bytes",
+            "KV bytes per tier and state (cached: published, reusable).",
+            labels=["tier", "state"],
+        )
+        by_tier.add_metric(["memory", "used"], s.kv.num_used_blocks * block_bytes)
+        by_tier.add_metric(["memory", "cached"], s.kv.num_cached_blocks * block_bytes)
+        by_tier.add_metric(["memory", "capacity"], s.kv.num_blocks * block_bytes)
+        yield by_tier
+        yield _counter(
+            "kvchat:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.kv.num_query_tokens
+        )
+        yield _counter("kvchat:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.kv.num_hit_tokens)
+        yield _counter("kvchat:prompt_tokens", "Prompt tokens of finished requests.", s.prompt_tokens)
+        yield _counter("kvchat:generation_tokens", "Tokens generated.", s.generated_tokens)
+        yield _counter("kvchat:request_success", "Requests finished.", s.requests_finished)
+        yield _counter("kvchat:engine_steps", "Engine steps (one batch each).", s.steps)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+class Metrics:
+    """The app's registry and the metrics observed as requests run."""
+
+    def __init__(self, engine: LLMEngine | None = None) -> None:
+        self.registry = CollectorRegistry()
+        if engine is not None:
+            self.watch_engine(engine)
+        r = self.registry
+        self.ttft = Histogram(
+            "kvchat:time_to_first_token_seconds", "Arrival to first token.", buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "kvchat:inter_token_latency_seconds", "Time between streamed deltas.", buckets=_ITL_BUCKETS, registry=r
+        )
+        self.open_sockets = Gauge("kvchat:ws_open_sockets", "Open chat websockets.", registry=r)
+        self.messages = Counter("kvchat:chat_messages", "Chat messages stored, by role.", ["role"], registry=r)
+        self.errors = Counter("kvchat:errors", "Errors answered to clients, by stable code.", ["code"], registry=r)
+        self.topic_shifts = Counter("kvchat:topic_shifts", "Topic shifts detected in chat sessions.", registry=r)
+        self.db_latency = Histogram(
+            "kvchat:db_query_duration_seconds", "Database statement latency.", buckets=_DB_BUCKETS, registry=r
+        )
+
+        self.recent = RecentReplies()
+
+    def watch_engine(self, engine: LLMEngine) -> None:
+        """Expose the engine's gauges and counters (read at scrape time)."""
+        self.registry.register(EngineCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def reply_timer(self, tenant_id: str) -> ReplyTimer:
+        return ReplyTimer(self, tenant_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplySample:
+    at: float  # time.monotonic() when the reply finished
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplySummary:
+    """A tenant's replies over a recent window (what the dashboard charts)."""
+
+    window_s: float
+    replies: int
+    hit_rate: float  # cached prompt tokens / prompt tokens
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    tokens_per_s: float  # completion tokens per second of the window
+
+
+class RecentReplies:
+    """The last replies of each tenant, kept in memory (bounded), for tenant-scoped figures.
+
+    NOTE: per tenant, never across tenants: a tenant admin sees its own hit rate and latency, and nothing that
+    depends on another tenant's cached tokens. Prometheus keeps the server-wide series (without tenant labels).
+    """
+
+    def __init__(self, per_tenant: int = 2000) -> None:
+        self._per_tenant = per_tenant
+        self._samples: dict[str, deque[ReplySample]] = {}
+
+    def record(self, tenant_id: str, stats: RequestStats) -> None:
+        samples = self._samples.setdefault(tenant_id, deque(maxlen=self._per_tenant))
+        samples.append(
+            ReplySample(
+                time.monotonic(), stats.ttft_s, stats.prompt_tokens, stats.cached_tokens, stats.completion_tokens
+            )
+        )
+
+    def summary(self, tenant_id: str, window_s: float = 300.0) -> ReplySummary:
+        since = time.monotonic() - window_s
+        recent = [s for s in self._samples.get(tenant_id, ()) if s.at >= since]
+        prompt = sum(s.prompt_tokens for s in recent)
+        ttfts = sorted(s.ttft_s for s in recent)
+        return ReplySummary(
+            window_s=window_s,
+            replies=len(recent),
+            hit_rate=sum(s.cached_tokens for s in recent) / prompt if prompt else 0.0,
+            ttft_p50_ms=_quantile(ttfts, 0.50) * 1000 if ttfts else None,
+            ttft_p99_ms=_quantile(ttfts, 0.99) * 1000 if ttfts else None,
+            tokens_per_s=sum(s.completion_tokens for s in recent) / window_s,
+        )
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The nearest-rank quantile of a sorted, non-empty list."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+class ReplyTimer:
+    """Observes one streamed reply: the gap between deltas (inter-token latency) and, at the end, its TTFT."""
+
+    def __init__(self, metrics: Metrics, tenant_id: str) -> None:
+        self._metrics = metrics
+        self._tenant_id = tenant_id
+        self._last: float | None = None
+
+    def delta(self) -> None:
+        now = time.monotonic()
+        if self._last is not None:
+            self._metrics.itl.observe(now - self._last)
+        self._last = now
+
+    def finished(self, stats: RequestStats) -> None:
+        self._metrics.ttft.observe(stats.ttft_s)
+        self._metrics.recent.record(self._tenant_id, stats)
+
+
+def instrument_database(db_engine: AsyncEngine, metrics: Metrics) -> None:
+    """Time every statement the app runs (``kvchat:db_query_duration_seconds``)."""
+
+    def before(conn: object, _cursor: object, _stmt: object, _params: object, _ctx: object, _many: object) -> None:
+        conn.info.setdefault("kvchat_started", []).append(time.perf_counter())  # type: ignore[attr-defined]
+
+    def after(conn: object, _cursor: object, _stmt: object, _params: object, _ctx: object, _many: object) -> None:
+        started = conn.info.get("kvchat_started")  # type: ignore[attr-defined]
+        if started:
+            metrics.db_latency.observe(time.perf_counter() - started.pop())
+
+    event.listen(db_engine.sync_engine, "before_cursor_execute", before)
+    event.listen(db_engine.sync_engine, "after_cursor_execute", after)

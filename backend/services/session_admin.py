@@ -1,0 +1,151 @@
+"""What a tenant's admin does to its chat sessions: search them, read a transcript or the whole detail (blocks,
+temperature history, invalidations, cache footprint), change a status, delete one.
+
+Every function takes the admin's tenant id and only ever reaches that tenant's sessions (another tenant's session is
+``SessionNotFoundError``, the same answer as a session that does not exist).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from backend.chat.service import ChatService
+from backend.context.blocks import Block
+from backend.db.models import ChatSession, InvalidationEvent, Message, SessionStatus, TopicHistory
+from backend.services import context_store
+from backend.services import sessions as store
+from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult
+from engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True, slots=True)
+class SessionQuery:
+    """Filters of the sessions list; None means "any"."""
+
+    status: SessionStatus | None = None
+    external_ref: str | None = None  # exact match
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+    min_temperature: float | None = None
+    max_temperature: float | None = None
+    topic_epoch: int | None = None
+    limit: int = 100
+    offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionTranscript:
+    session: ChatSession
+    messages: list[Message]
+
+    def as_text(self) -> str:
+        s = self.session
+        lines = [f"Session {s.id} ({s.status}), started {s.created_at.isoformat()}", ""]
+        for m in self.messages:
+            note = "" if m.status == "complete" else f" [{m.status}]"
+            lines.append(f"[{m.seq}] {m.created_at.isoformat()} {m.role}{note}: {m.content}")
+        return "\n".join(lines) + "\n"
+
+
+async def search_sessions(db: AsyncSession, tenant_id: str, q: SessionQuery) -> list[ChatSession]:
+    """The tenant's sessions matching ``q``, most recently active first."""
+    query = select(ChatSession).where(ChatSession.tenant_id == tenant_id)
+    if q.status is not None:
+        query = query.where(ChatSession.status == q.status.value)
+    if q.external_ref is not None:
+        query = query.where(ChatSession.external_ref == q.external_ref)
+    if q.created_after is not None:
+        query = query.where(ChatSession.created_at >= q.created_after)
+    if q.created_before is not None:
+        query = query.where(ChatSession.created_at < q.created_before)
+    if q.min_temperature is not None:
+        query = query.where(ChatSession.semantic_temperature >= q.min_temperature)
+    if q.max_temperature is not None:
+        query = query.where(ChatSession.semantic_temperature <= q.max_temperature)
+    if q.topic_epoch is not None:
+        query = query.where(ChatSession.topic_epoch == q.topic_epoch)
+    query = query.order_by(ChatSession.last_active_at.desc(), ChatSession.id).limit(q.limit).offset(q.offset)
+    return list((await db.execute(query)).scalars())
+
+
+async def get_session(db: AsyncSession, tenant_id: str, session_id: str) -> ChatSession:
+    return await store.get_session(db, tenant_id, session_id)
+
+
+async def transcript(db: AsyncSession, tenant_id: str, session_id: str) -> SessionTranscript:
+    session = await store.get_session(db, tenant_id, session_id)
+    return SessionTranscript(session, await store.messages_after(db, session_id, 0))
+
+
+@dataclass(frozen=True, slots=True)
+class SessionDetail:
+    session: ChatSession
+    messages: list[Message]
+    blocks: dict[int, list[Block]]  # message seq → its semantic blocks, in order
+    topics: list[TopicHistory]  # the temperature history, by message seq
+    invalidations: list[InvalidationEvent]  # oldest first
+    footprint: CacheFootprint  # the session's recorded chain blocks cached right now
+
+
+async def detail(db: AsyncSession, engine: LLMEngine, tenant_id: str, session_id: str) -> SessionDetail:
+    session = await store.get_session(db, tenant_id, session_id)
+    blocks: dict[int, list[Block]] = {}
+    for block in await context_store.load_blocks(db, session_id):
+        blocks.setdefault(block.key.seq, []).append(block)
+    events = await db.execute(
+        select(InvalidationEvent)
+        .where(InvalidationEvent.session_id == session_id)
+        .order_by(InvalidationEvent.created_at, InvalidationEvent.id)
+    )
+    return SessionDetail(
+        session,
+        await store.messages_after(db, session_id, 0),
+        blocks,
+        await context_store.topic_history(db, session_id),
+        list(events.scalars()),
+        engine.session_footprint(session_id),
+    )
+
+
+async def set_status(
+    db: AsyncSession, chat: ChatService, tenant_id: str, session_id: str, status: SessionStatus
+) -> ChatSession:
+    """Set the status (closing also releases the session's engine cache); returns the session as stored now."""
+    session = await store.get_session(db, tenant_id, session_id)
+    await chat.set_status(session_id, status, actor="admin")
+    await db.refresh(session)
+    return session
+
+
+async def delete_session(db: AsyncSession, chat: ChatService, tenant_id: str, session_id: str) -> None:
+    """Erase the session: stop its reply in flight, delete its rows (messages cascade), release its engine cache."""
+    await store.get_session(db, tenant_id, session_id)
+    chat.cancel(session_id, None)
+    await store.delete_session(db, tenant_id, session_id)
+    chat.release_cache(session_id)
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedContextEdit:
+    session: ChatSession  # as stored now (``context_version`` bumped)
+    freed: InvalidationResult  # the session's cached blocks that depended on the old pinned context
+
+
+async def set_pinned_context(
+    db: AsyncSession, chat: ChatService, tenant_id: str, session_id: str, text: str, actor: str = "admin"
+) -> PinnedContextEdit:
+    """Replace the session's pinned context, bump ``context_version``, free the cached blocks depending on it."""
+    session = await store.get_session(db, tenant_id, session_id)
+    await db.execute(
+        update(ChatSession)
+        .where(ChatSession.id == session_id)
+        .values(pinned_context=text, context_version=ChatSession.context_version + 1)
+    )
+    await db.commit()
+    await db.refresh(session)
+    freed = await chat.context.pinned_context_edited(tenant_id, session_id, actor)
+    return PinnedContextEdit(session, freed)

@@ -1,0 +1,133 @@
+"""What a tenant's admin changes of its own: system prompt and keys, splitter rules and context settings.
+
+A tenant reads the global rules (``tenant_id`` NULL) and its own; it writes only its own. A tenant rule named like a
+global one shadows it (``context_store.load_rules``), which is how a default is switched off or changed. Every rule
+is compiled before it is stored (``InvalidRuleError`` says why one is refused). The chat picks changes up on the
+next message: ``RuleSetCache`` recompiles when the rules' count or latest ``updated_at`` moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import or_, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from backend.context.blocks import BlockType
+from backend.context.rules import Rule, compile_rule
+from backend.context.topic import TopicSettings
+from backend.core.errors import RuleExistsError, RuleNotFoundError, RuleReadOnlyError
+from backend.db.models import ApiKey, HistoryPolicy, KeyKind, SplitterRule, Tenant
+from backend.services import context_store, tenants
+from backend.services.context_store import ContextSettings
+from backend.services.tenants import IssuedKey
+
+
+@dataclass(frozen=True, slots=True)
+class SettingsChange:
+    """Every context setting an admin can set (the whole set, as ``PUT`` replaces it)."""
+
+    history_policy: HistoryPolicy
+    shift_threshold: float
+    start_temperature: float
+    shift_temperature: float
+    min_block_length: int
+    similarity_backend: str
+
+
+async def set_system_prompt(db: AsyncSession, tenant_id: str, system_prompt: str) -> Tenant:
+    """Replace the system prompt every session of the tenant starts with (the next turns use it)."""
+    tenant = await tenants.set_system_prompt(db, tenant_id, system_prompt)
+    await db.commit()
+    return tenant
+
+
+async def rotate_key(db: AsyncSession, tenant_id: str, kind: KeyKind) -> IssuedKey:
+    issued = await tenants.rotate_key(db, tenant_id, kind)
+    await db.commit()
+    return issued
+
+
+async def revoke_key(db: AsyncSession, tenant_id: str, key_id: str) -> ApiKey:
+    key = await tenants.revoke_key(db, key_id, tenant_id)
+    await db.commit()
+    return key
+
+
+async def list_rules(db: AsyncSession, tenant_id: str) -> list[SplitterRule]:
+    """The global rules, then the tenant's own, each by name."""
+    rows = await db.execute(
+        select(SplitterRule)
+        .where(or_(SplitterRule.tenant_id.is_(None), SplitterRule.tenant_id == tenant_id))
+        .order_by(SplitterRule.tenant_id.is_not(None), SplitterRule.name, SplitterRule.id)
+    )
+    return list(rows.scalars())
+
+
+async def create_rule(db: AsyncSession, tenant_id: str, rule: Rule) -> SplitterRule:
+    compile_rule(rule)  # NOTE: first, so a bad pattern is reported as such whatever its name
+    await _check_name_free(db, tenant_id, rule.name, None)
+    rule_id = await context_store.add_rule(db, rule, tenant_id)
+    await db.commit()
+    return await _own_rule(db, tenant_id, rule_id)
+
+
+async def update_rule(db: AsyncSession, tenant_id: str, rule_id: int, rule: Rule) -> SplitterRule:
+    row = await _own_rule(db, tenant_id, rule_id)
+    compile_rule(rule)
+    await _check_name_free(db, tenant_id, rule.name, rule_id)
+    row.name = rule.name
+    row.pattern = rule.pattern
+    row.block_type = rule.block_type.value
+    row.priority = rule.priority
+    row.language = rule.language
+    row.enabled = rule.enabled
+    await db.commit()
+    await db.refresh(row)
+    return row
+
+
+async def delete_rule(db: AsyncSession, tenant_id: str, rule_id: int) -> None:
+    row = await _own_rule(db, tenant_id, rule_id)
+    await db.delete(row)
+    await db.commit()
+
+
+async def load_settings(db: AsyncSession, tenant_id: str) -> ContextSettings:
+    return await context_store.load_settings(db, tenant_id)
+
+
+async def save_settings(db: AsyncSession, tenant_id: str, change: SettingsChange) -> ContextSettings:
+    """Replace the tenant's context settings (``InvalidSettingsError`` when out of range); the next turn uses them."""
+    topic = TopicSettings(
+        shift_threshold=change.shift_threshold,
+        start_temperature=change.start_temperature,
+        shift_temperature=change.shift_temperature,
+        backend=change.similarity_backend,
+    )
+    settings = ContextSettings(change.history_policy, change.min_block_length, topic)
+    await context_store.save_settings(db, tenant_id, settings)
+    await db.commit()
+    return settings
+
+
+def rule_of(row: SplitterRule) -> Rule:
+    return Rule(row.name, row.pattern, BlockType(row.block_type), row.priority, row.language, row.enabled)
+
+
+async def _own_rule(db: AsyncSession, tenant_id: str, rule_id: int) -> SplitterRule:
+    """The tenant's rule ``rule_id``: a global one is read-only, another tenant's does not exist for it."""
+    row = await db.get(SplitterRule, rule_id)
+    if row is None or (row.tenant_id is not None and row.tenant_id != tenant_id):
+        raise RuleNotFoundError(f"no rule {rule_id}")
+    if row.tenant_id is None:
+        raise RuleReadOnlyError(f"rule {rule_id} is global: add a rule of the same name to replace it")
+    return row
+
+
+async def _check_name_free(db: AsyncSession, tenant_id: str, name: str, rule_id: int | None) -> None:
+    found = await db.scalar(
+        select(SplitterRule.id).where(SplitterRule.tenant_id == tenant_id, SplitterRule.name == name)
+    )
+    if found is not None and found != rule_id:
+        raise RuleExistsError(f"the tenant already has a rule named {name!r} (rule {found})")

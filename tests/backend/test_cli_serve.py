@@ -1,0 +1,53 @@
+"""``kvchat serve`` start-up checks that need no model: a busy port fails at once, in one line; JSON logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from support.server_process import REPO_ROOT
+
+
+def _run(env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_")}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "backend.cli", *args],
+        cwd=REPO_ROOT,
+        env=base | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done, time.monotonic() - started
+
+
+def test_a_busy_port_fails_before_anything_loads(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # NOTE: a model path that does not exist: reaching the model check would fail with another message.
+        env = {"KVCHAT_DATA_DIR": str(tmp_path), "KVCHAT_PORT": str(port), "KVCHAT_MODEL": str(tmp_path / "none")}
+        done, _ = _run(env, "serve")
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1] == (
+        f"error: cannot listen on 127.0.0.1:{port}: the port is already in use (another kvchat server?); "
+        "set KVCHAT_PORT"
+    )
+    assert "Traceback" not in done.stderr
+
+
+def test_json_logs_are_one_object_a_line(tmp_path: Path) -> None:
+    done, _ = _run({"KVCHAT_DATA_DIR": str(tmp_path), "KVCHAT_LOG_FORMAT": "json"}, "migrate")
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stderr.strip().splitlines()]
+    assert records, "alembic logs its migrations"
+    assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    assert any(r["logger"].startswith("alembic") for r in records)

@@ -1,0 +1,268 @@
+"""The dashboard and the chat page in a real browser (system Chromium, headless) against a real server process.
+
+Each test starts ``kvchat serve`` (tiny model, Postgres), drives the page with Playwright and saves a screenshot under
+``test-artifacts/screenshots/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import pkgutil
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Page, Route, expect, sync_playwright
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.sync.client import connect
+
+import backend.api.routes
+from support.browser import LAUNCH_ARGS, chromium_path, screenshot_path
+from support.server import ADMIN_KEY, CHAT_TOKEN
+from support.server_process import ServerProcess, start_server_process, tiny_server_env
+
+pytestmark = pytest.mark.postgres
+TIMEOUT_MS = 30_000
+ORDER = "My parcel is late. Order #4061234567 was due on Monday, where is it?"
+# unrelated, and it names an account number the bot did not ask for: a topic shift (backend/context/topic.py)
+PASSWORD = "I also cannot log in. How do I reset the password for account 77120934?"
+DETAIL = "/admin/sessions/{session_id}/detail"
+WIDER_THAN_THE_SCREEN = """() => [...document.querySelectorAll("body *")]
+    .filter((el) => el.getBoundingClientRect().right > window.innerWidth + 1)
+    .map((el) => `${el.tagName}#${el.id}.${el.className} ${Math.round(el.getBoundingClientRect().right)}`)"""
+FLUSH = "/admin/sessions/{session_id}/flush"
+
+
+def _has_route(method: str, path: str) -> bool:
+    """Whether a router of the app serves ``method path`` (read from the route modules: no server needed)."""
+    for info in pkgutil.iter_modules(backend.api.routes.__path__):
+        router = getattr(importlib.import_module(f"backend.api.routes.{info.name}"), "router", None)
+        for route in getattr(router, "routes", []):
+            if getattr(route, "path", None) == path and method in getattr(route, "methods", ()):
+                return True
+    return False
+
+
+needs_detail = pytest.mark.skipif(not _has_route("GET", DETAIL), reason=f"GET {DETAIL} does not exist yet")
+needs_flush = pytest.mark.skipif(
+    not (_has_route("POST", FLUSH) and _has_route("GET", DETAIL)), reason=f"POST {FLUSH} does not exist yet"
+)
+
+
+@pytest.fixture
+def server(pg_url: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    env = tiny_server_env(pg_url, tiny_model_dir, tmp_path, reply_max_tokens=12, run_migrations_on_start="false")
+    proc = start_server_process(env, tmp_path / "server.log")
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+@pytest.fixture
+def page(server: ServerProcess) -> Iterator[Page]:
+    # NOTE: after ``server`` (and so after the database fixtures): Playwright's sync API keeps an event loop running
+    # in this thread until it stops, and the database fixtures use asyncio.run().
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium_path(), args=LAUNCH_ARGS)
+        context = browser.new_context(viewport={"width": 1366, "height": 768})  # a laptop screen
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda err: errors.append(str(err)))
+        yield page
+        browser.close()
+    assert errors == [], "the page's scripts threw (or left a promise rejected)"
+
+
+def _chat_turn(server: ServerProcess, *texts: str) -> str:
+    """One session, one websocket turn to completion per text; returns the session id."""
+    with connect(server.ws, open_timeout=30) as ws:
+        ws.send(json.dumps({"type": "hello", "token": CHAT_TOKEN}))
+        session_id: str = json.loads(ws.recv(timeout=30))["session_id"]
+        for i, text in enumerate(texts):
+            ws.send(json.dumps({"type": "user.message", "client_msg_id": f"m{i}", "text": text}))
+            while json.loads(ws.recv(timeout=30))["type"] != "message.completed":
+                pass
+    return session_id
+
+
+def _admin_get(server: ServerProcess, path: str) -> Any:
+    resp = httpx.get(f"{server.http}{path}", headers={"X-API-Key": ADMIN_KEY})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _cached_kv_bytes(server: ServerProcess) -> float:
+    """The engine's published (reusable) KV bytes, from ``/metrics`` (the test is a local client: no token)."""
+    families = text_string_to_metric_families(httpx.get(f"{server.http}/metrics").text)
+    family = next(f for f in families if f.name == "kvchat:kv_cache_bytes")
+    return next(s.value for s in family.samples if s.labels == {"tier": "memory", "state": "cached"})
+
+
+def _screenshot(page: Page, name: str) -> None:
+    """A full-page screenshot from the top (scrolled, the sticky header would land mid-page)."""
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=screenshot_path(name), full_page=True)
+
+
+def _connect_dashboard(page: Page, server: ServerProcess) -> None:
+    page.goto(f"{server.http}/dashboard")
+    page.fill("#key", ADMIN_KEY)
+    page.click("#connect")
+    expect(page.locator("#state")).to_have_class("ok", timeout=TIMEOUT_MS)
+
+
+def test_dashboard_shows_live_figures_after_a_scripted_chat(server: ServerProcess, page: Page) -> None:
+    session_id = _chat_turn(server, "Where is my order #123-4567?")
+    _chat_turn(server, "Where is my order #123-4567?")  # the same prompt again: its system prompt is a cache hit
+    _connect_dashboard(page, server)
+    expect(page.locator("#f-hit")).to_contain_text("%", timeout=TIMEOUT_MS)
+    hit = float(page.inner_text("#f-hit").split()[0])
+    assert hit > 0, "the second turn reused the first one's cached prompt"
+    assert float(page.inner_text("#f-tps")) > 0
+    expect(page.locator("#f-ttft")).to_contain_text("ms")
+    expect(page.locator("#f-sessions")).to_have_text("2")
+    expect(page.locator(f'tr[data-session="{session_id}"]')).to_contain_text("bot_active")
+    assert page.evaluate("document.querySelectorAll('.chart canvas').length") == 7  # every chart drew
+    expect(page.locator("#f-context")).to_contain_text("0 shifts")  # two one-turn sessions: no shift
+    # the key stays in the page's memory: nothing stored, nothing in the page
+    assert page.evaluate("localStorage.length + sessionStorage.length") == 0
+    assert page.evaluate("document.cookie") == ""
+    assert ADMIN_KEY not in page.content()
+    _screenshot(page, "dashboard")
+
+
+def test_the_close_button_closes_that_session(server: ServerProcess, page: Page) -> None:
+    session_id = _chat_turn(server, "Can I return a jacket?")
+    _connect_dashboard(page, server)
+    row = page.locator(f'tr[data-session="{session_id}"]')
+    row.locator('button[data-action="close"]').click()
+    expect(row).to_contain_text("closed", timeout=TIMEOUT_MS)
+    resp = httpx.get(f"{server.http}/admin/sessions/{session_id}", headers={"X-API-Key": ADMIN_KEY})
+    assert resp.json()["status"] == "closed"
+    row.locator("td.id").click()
+    expect(page.locator("#transcript")).to_contain_text("Can I return a jacket?")
+    _screenshot(page, "dashboard-session")
+
+
+@needs_detail
+def test_the_drill_down_colours_blocks_and_draws_the_temperature_curve(server: ServerProcess, page: Page) -> None:
+    session_id = _chat_turn(server, ORDER, PASSWORD)
+    history = _admin_get(server, f"/admin/sessions/{session_id}/detail")["temperature_history"]
+    assert [(h["seq"], h["shift"], h["epoch"]) for h in history] == [(1, False, 0), (3, True, 1)]
+    _connect_dashboard(page, server)
+    row = page.locator(f'tr[data-session="{session_id}"]')
+    expect(row.locator("td.temp")).to_have_text("0.30", timeout=TIMEOUT_MS)  # the shift's temperature
+    expect(row.locator("td.epoch")).to_have_text("1")
+    expect(row.locator("td.footprint")).to_contain_text("block", timeout=TIMEOUT_MS)
+    expect(page.locator("#f-context")).to_contain_text("1 shift · 1 invalidation", timeout=TIMEOUT_MS)
+    row.locator("td.id").click()
+
+    order = page.locator('#transcript .msg[data-seq="1"] [data-block-type="identifier"]')
+    expect(order).to_contain_text("#4061234567", timeout=TIMEOUT_MS)
+    colour = order.evaluate("el => getComputedStyle(el).backgroundColor")
+    plain = page.locator('#transcript .msg[data-seq="1"] [data-block-type="context"]')
+    expect(plain).to_have_text("My parcel is late.")
+    assert colour != plain.evaluate("el => getComputedStyle(el).backgroundColor")  # coloured by type
+    expect(page.locator('#transcript .msg[data-seq="3"] [data-block-type="identifier"]')).to_contain_text("77120934")
+    expect(page.locator('#legend [data-legend-type="identifier"]')).to_be_visible()
+    expect(page.locator("#temp-chart canvas")).to_be_visible()
+    expect(page.locator("#temp-chart")).to_contain_text("shift")  # the shift series in the curve's legend
+    expect(page.locator('#invalidations tr[data-reason="epoch_dropped"]')).to_have_count(1)
+    expect(page.locator("#detail-summary")).to_contain_text("epoch 1")
+    _screenshot(page, "dashboard-drill-down")
+
+    page.set_viewport_size({"width": 390, "height": 844})  # a phone: one column, nothing wider than the screen
+    expect(page.locator("#temp-chart canvas")).to_be_visible()
+    with contextlib.suppress(PlaywrightTimeoutError):  # the charts follow the new width on their next resize
+        page.wait_for_function(f"({WIDER_THAN_THE_SCREEN})().length === 0", timeout=5_000)
+    wide = page.evaluate(WIDER_THAN_THE_SCREEN)
+    assert wide == [], "\n".join(wide)
+    _screenshot(page, "dashboard-narrow")
+
+
+@needs_flush
+def test_the_flush_button_flushes_that_session(server: ServerProcess, page: Page) -> None:
+    session_id = _chat_turn(server, ORDER, PASSWORD)
+    detail_path = f"/admin/sessions/{session_id}/detail"
+    before = _admin_get(server, detail_path)["cache_footprint"]
+    assert before["blocks"] > 0
+    cached_before = _cached_kv_bytes(server)
+    _connect_dashboard(page, server)
+    row = page.locator(f'tr[data-session="{session_id}"]')
+    expect(row.locator("td.footprint")).to_have_text(f"{before['blocks']} blocks", timeout=TIMEOUT_MS)
+    row.locator('button[data-action="flush"]').click()
+    expect(row.locator(".flush-result")).to_contain_text("freed", timeout=TIMEOUT_MS)
+    found = re.search(r"freed (\d+) blocks? \((\d+) tokens\)", row.locator(".flush-result").inner_text())
+    assert found, row.inner_text()
+    blocks_freed, tokens_freed = int(found[1]), int(found[2])
+    assert blocks_freed == before["blocks"] > 0
+
+    # through the admin API: the session stays, its footprint is gone, the flush is recorded
+    after = _admin_get(server, detail_path)
+    assert after["session"]["status"] == "bot_active"
+    assert after["cache_footprint"] == {"blocks": 0, "tokens": 0}
+    flushes = [e for e in after["invalidation_events"] if e["reason"] == "admin_flush"]
+    assert [(e["blocks_freed"], e["tokens_freed"]) for e in flushes] == [(blocks_freed, tokens_freed)]
+    # through the engine's stats: its published KV shrank
+    assert _cached_kv_bytes(server) < cached_before
+    expect(row.locator("td.footprint")).to_have_text("0 blocks", timeout=TIMEOUT_MS)
+    _screenshot(page, "dashboard-flush")
+
+
+def test_without_the_detail_and_flush_routes_the_page_degrades(server: ServerProcess, page: Page) -> None:
+    session_id = _chat_turn(server, ORDER)
+
+    def missing(route: Route) -> None:  # what a server without these routes answers
+        route.fulfill(status=404, json={"detail": "Not Found", "code": "not_found"})
+
+    page.route("**/openapi.json", missing)
+    page.route(re.compile(r".*/admin/sessions/[^/]+/(detail|flush)$"), missing)
+    _connect_dashboard(page, server)
+    row = page.locator(f'tr[data-session="{session_id}"]')
+    expect(row.locator("td.footprint")).to_have_text("–", timeout=TIMEOUT_MS)
+    row.locator('button[data-action="flush"]').click()
+    expect(row.locator(".flush-result")).to_have_text("flush not available on this server", timeout=TIMEOUT_MS)
+    expect(row.locator('button[data-action="flush"]')).to_have_count(0)
+    expect(row.locator('button[data-action="close"]')).to_have_count(1)
+    row.locator("td.id").click()
+    expect(page.locator("#transcript")).to_contain_text("Order #4061234567")  # the plain transcript
+    expect(page.locator("#detail-summary")).to_contain_text("not available")
+    expect(page.locator("#temp-chart")).to_have_text("not available")
+    expect(page.locator("#banner")).to_be_hidden()
+    _screenshot(page, "dashboard-degraded")
+
+
+def test_dashboard_says_clearly_when_the_server_is_down(server: ServerProcess, page: Page) -> None:
+    _connect_dashboard(page, server)
+    server.kill()
+    expect(page.locator("#banner")).to_be_visible(timeout=TIMEOUT_MS)
+    expect(page.locator("#banner")).to_contain_text("not answering")
+    expect(page.locator("#state")).to_have_text("server unreachable")
+    _screenshot(page, "dashboard-down")
+
+
+def test_a_wrong_admin_key_is_refused_on_the_page(server: ServerProcess, page: Page) -> None:
+    page.goto(f"{server.http}/dashboard")
+    page.fill("#key", "not-a-key")
+    page.click("#connect")
+    expect(page.locator("#state")).to_have_text("the admin key was refused", timeout=TIMEOUT_MS)
+    assert ADMIN_KEY not in page.content()  # the page never carries a key of its own
+
+
+def test_chat_page_completes_a_turn(server: ServerProcess, page: Page) -> None:
+    page.goto(f"{server.http}/chat")
+    page.fill("#token", CHAT_TOKEN)
+    page.click("#connect")
+    expect(page.locator("#text")).to_be_enabled(timeout=TIMEOUT_MS)
+    page.fill("#text", "Hello, is my parcel on its way?")
+    page.click("#send")
+    expect(page.locator(".msg.assistant")).to_have_count(1, timeout=TIMEOUT_MS)
+    expect(page.locator(".meta").last).to_contain_text("cached", timeout=TIMEOUT_MS)
+    _screenshot(page, "chat")
