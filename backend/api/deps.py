@@ -87,7 +87,7 @@ def audited(action: str) -> Any:
     """
 
     async def record(request: Request, tenant: AdminDep, state: StateDep) -> AsyncIterator[None]:
-        target = "/".join(str(v) for v in request.path_params.values()) or None
+        target = _printable("/".join(str(v) for v in request.path_params.values())) or None
         entry = audit.AuditEntry(tenant.id, display_prefix(bearer_token(request)), action, target, audit.OK)
         try:
             yield
@@ -98,6 +98,12 @@ def audited(action: str) -> Any:
 
     dependency: Callable[..., Any] = record
     return Depends(dependency, scope="function")
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """A path value as it can be stored: NUL and lone surrogates escaped (a refused request is audited too)."""
+    escaped = text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+    return escaped[:limit]
 
 
 def _audit_result(exc: BaseException) -> str:

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from engine.kv.cache_stats import CacheStats
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestStats
 
@@ -63,6 +64,34 @@ class EngineCollector(Collector):
         yield _counter("kvchat:generation_tokens", "Tokens generated.", s.generated_tokens)
         yield _counter("kvchat:request_success", "Requests finished.", s.requests_finished)
         yield _counter("kvchat:engine_steps", "Engine steps (one batch each).", s.steps)
+        yield from _by_block_type(s.cache)
+
+
+def _by_block_type(cache: CacheStats) -> Iterator[CounterMetricFamily]:
+    """Prefix-cache queries and hits by semantic block type, and what invalidation freed, by reason.
+
+    NOTE: block types and reasons come from small fixed vocabularies (the splitter's types, the engine's own labels,
+    the invalidation reasons), so these labels stay bounded.
+    """
+    queries = CounterMetricFamily(
+        "kvchat:prefix_cache_queries_by_type", "Prompt tokens looked up, by block type.", labels=["block_type"]
+    )
+    hits = CounterMetricFamily(
+        "kvchat:prefix_cache_hits_by_type", "Prompt tokens found in the cache, by block type.", labels=["block_type"]
+    )
+    for block_type, n in sorted(cache.query_tokens_by_type.items()):
+        queries.add_metric([block_type], n)
+        hits.add_metric([block_type], cache.hit_tokens_by_type.get(block_type, 0))
+    freed_blocks = CounterMetricFamily(
+        "kvchat:invalidated_blocks", "Cached blocks freed by invalidation, by reason.", labels=["reason"]
+    )
+    freed_tokens = CounterMetricFamily(
+        "kvchat:invalidated_tokens", "Cached tokens freed by invalidation, by reason.", labels=["reason"]
+    )
+    for reason, counts in sorted(cache.invalidations.items()):
+        freed_blocks.add_metric([reason], counts.blocks_freed)
+        freed_tokens.add_metric([reason], counts.tokens_freed)
+    yield from (queries, hits, freed_blocks, freed_tokens)
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

@@ -289,14 +289,7 @@ class ContextService:
         if not previous.kept & epoch_dropped:
             return None
         position = common_prefix(previous.token_ids, prepared.token_ids)
-        reason = InvalidationReason.EPOCH_DROPPED
-        result = self._engine.invalidate(tenant_id, session=session_id, from_position=position, reason=reason.value)
-        async with self._sm() as db:
-            await context_store.record_invalidation(
-                db, tenant_id, session_id, reason, SYSTEM_ACTOR, result.blocks_freed, result.tokens_freed
-            )
-            await db.commit()
-        return result
+        return await self.invalidate(tenant_id, session_id, position, InvalidationReason.EPOCH_DROPPED, SYSTEM_ACTOR)
 
     async def pinned_context_edited(self, tenant_id: str, session_id: str, actor: str) -> InvalidationResult:
         """Free the session's cached blocks that depend on its pinned context; store the event.
@@ -307,8 +300,15 @@ class ContextService:
         """
         last = self._last.get(session_id)
         position = last.context_from if last is not None else 0
-        reason = InvalidationReason.PINNED_CONTEXT_EDITED
-        result = self._engine.invalidate(tenant_id, session=session_id, from_position=position, reason=reason.value)
+        return await self.invalidate(tenant_id, session_id, position, InvalidationReason.PINNED_CONTEXT_EDITED, actor)
+
+    async def invalidate(
+        self, tenant_id: str, session_id: str, from_position: int, reason: InvalidationReason, actor: str
+    ) -> InvalidationResult:
+        """Free the session's cached blocks from token ``from_position`` on (and their dependents); store the event."""
+        result = self._engine.invalidate(
+            tenant_id, session=session_id, from_position=from_position, reason=reason.value
+        )
         async with self._sm() as db:
             await context_store.record_invalidation(
                 db, tenant_id, session_id, reason, actor, result.blocks_freed, result.tokens_freed

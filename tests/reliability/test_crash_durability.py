@@ -186,6 +186,7 @@ async def test_every_acknowledged_message_survives_kill_9(pg_url: str, tiny_mode
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(7200)  # NOTE: 100 rounds outlast the suite's 10-minute cap for one test
 @only_in_soak
 async def test_every_acknowledged_message_survives_kill_9_soak(
     pg_url: str, tiny_model_dir: Path, tmp_path: Path

@@ -149,6 +149,7 @@ async def test_a_session_survives_postgres_restarts(cluster: Cluster, tmp_path: 
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(7200)  # NOTE: 100 rounds outlast the suite's 10-minute cap for one test
 @only_in_soak
 async def test_a_session_survives_postgres_restarts_soak(
     cluster: Cluster, tmp_path: Path, tiny_engine: LLMEngine

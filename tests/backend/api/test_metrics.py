@@ -72,6 +72,11 @@ async def test_metrics_parse_and_move_with_a_scripted_chat(
     assert moved("kvchat:inter_token_latency_seconds_count") >= 2
     assert moved("kvchat:errors_total", (("code", "bad_json"),)) == 1
     assert moved("kvchat:db_query_duration_seconds_count") > 0
+    assert moved("kvchat:prefix_cache_queries_by_type_total", (("block_type", "system_prompt"),)) > 0
+    hits_by_type = {
+        labels: v for (name, labels), v in after.items() if name == "kvchat:prefix_cache_hits_by_type_total"
+    }
+    assert sum(hits_by_type.values()) == after[("kvchat:prefix_cache_hits_total", ())]  # by type adds up
     assert after[("kvchat:ws_open_sockets", ())] == 0
     assert after[("kvchat:kv_cache_bytes", (("state", "capacity"), ("tier", "memory")))] > 0
     assert 0.0 <= after[("kvchat:kv_cache_usage_perc", ())] <= 1.0
