@@ -103,7 +103,7 @@ def _check_database(url: str) -> None:
     except UnsupportedDatabaseError as exc:
         raise StartupError(str(exc)) from exc
     except (SQLAlchemyError, OSError, TimeoutError) as exc:
-        raise StartupError(f"cannot reach the database {_redact(url)}: {_reason(exc)}") from exc
+        raise StartupError(f"cannot reach the database {_redact(url)}: {one_line_reason(exc)}") from exc
 
 
 def _check_model(model: str, cache_dir: str | None) -> None:
@@ -130,12 +130,12 @@ def _migrate(args: argparse.Namespace) -> int:
         raise StartupError(str(exc)) from exc
     except (SQLAlchemyError, OSError) as exc:
         # NOTE: a wrong URL, a database that is down or a read-only data dir: one clear line, not a traceback.
-        raise StartupError(f"cannot migrate {_redact(url)}: {_reason(exc)}") from exc
+        raise StartupError(f"cannot migrate {_redact(url)}: {one_line_reason(exc)}") from exc
     print("migrations done", flush=True)
     return 0
 
 
-def _reason(exc: BaseException) -> str:
+def one_line_reason(exc: BaseException) -> str:
     """The driver's own message (SQLAlchemy wraps it), on one line."""
     inner = getattr(exc, "orig", None) or exc
     return " ".join(str(inner).split()) or type(inner).__name__

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from backend.cli import one_line_reason
 from backend.core.config import Settings
 from backend.core.errors import BackendError
 from backend.db.engine import create_db_engine, create_sessionmaker
@@ -53,11 +54,8 @@ def _runner(command: Command) -> Callable[[argparse.Namespace], int]:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         except (SQLAlchemyError, OSError) as exc:
-            reason = getattr(exc, "orig", None) or exc
-            print(
-                f"error: the database failed: {str(reason).splitlines()[0]} (is it migrated? `kvchat migrate`)",
-                file=sys.stderr,
-            )
+            reason = one_line_reason(exc)
+            print(f"error: the database failed: {reason} (is it migrated? `kvchat migrate`)", file=sys.stderr)
             return 1
         return 0
 

@@ -26,7 +26,6 @@ import json
 import os
 import random
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from bench.metrics import Stat
+from bench.runners.kvchat_ws import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "load.json"
@@ -136,12 +136,6 @@ class Server:
         raise RuntimeError("no VmRSS in /proc/<pid>/status")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def server_env(config: LoadConfig, model_path: str, data_dir: Path) -> dict[str, str]:
     tiny = config.model == "tiny"
     return {
@@ -172,7 +166,7 @@ def running_server(config: LoadConfig, workdir: Path) -> Iterator[Server]:
         from engine.testing import build_tiny_model
 
         model_path = str(build_tiny_model(workdir / "tiny-model", suppress_eos=True))
-    port = _free_port()
+    port = free_port()
     env = os.environ | server_env(config, model_path, workdir) | {"KVCHAT_HOST": "127.0.0.1", "KVCHAT_PORT": str(port)}
     log_path = workdir / "server.log"
     with log_path.open("ab") as log:

@@ -33,7 +33,8 @@ class HandedToHuman(RuntimeError):
     """The server stopped answering this session (the customer asked for a human)."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port nothing listens on now (the OS picks it), for a server this process starts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -47,7 +48,7 @@ class KvchatWebsocketRunner(Runner):
         self._tmp = tempfile.TemporaryDirectory(prefix="kvchat-bench-ws-")
         self._server: Any = None
         self._thread: threading.Thread | None = None
-        self._port = _free_port()
+        self._port = free_port()
         self._sockets: dict[str, Any] = {}
         self._tokens: dict[str, str] = {}
         self._tenant_lock = asyncio.Lock()

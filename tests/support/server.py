@@ -22,7 +22,7 @@ CHAT_TOKEN = "test-chat-token"
 ADMIN_KEY = "test-admin-key"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -80,7 +80,7 @@ def server_settings(database_url: str, tmp_path: Path, **overrides: object) -> S
     values: dict[str, object] = {
         "data_dir": tmp_path,
         "database_url": database_url,
-        "port": _free_port(),
+        "port": free_port(),
         "bootstrap_chat_token": CHAT_TOKEN,
         "bootstrap_admin_key": ADMIN_KEY,
         "reply_max_tokens": 12,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,9 @@ from pathlib import Path
 
 import httpx
 
-from support.server import ADMIN_KEY, CHAT_TOKEN
+from support.server import ADMIN_KEY, CHAT_TOKEN, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tiny_server_env(database_url: str, model_dir: Path, data_dir: Path, **settings: object) -> dict[str, str]:
