@@ -117,12 +117,18 @@ class Scheduler:
         return self._seqs.get(request_id)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence. Raises ``EngineBusy`` when the waiting queue is full."""
+        """Queue a new sequence. Raises ``EngineBusy`` when the waiting queue is full.
+
+        A running slot that is free now counts as room: the next step admits into it. Without that, a request that
+        arrives between one sequence finishing and the next step's admission was refused although the engine held
+        fewer than ``max_num_seqs + max_waiting`` requests (seen as a spurious ``busy`` at exactly full load).
+        """
         if seq.request_id in self._seqs:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
         if seq.status is not SequenceStatus.WAITING:
             raise ValueError(f"only a waiting sequence can be added, got {seq!r}")
-        if len(self.waiting) >= self.config.max_waiting:
+        free_slots = max(0, self.config.max_num_seqs - len(self.running))
+        if len(self.waiting) >= self.config.max_waiting + free_slots:
             raise EngineBusy(f"{len(self.waiting)} requests are already waiting", self.config.retry_after_s)
         self.waiting.append(seq)
         self._seqs[seq.request_id] = seq

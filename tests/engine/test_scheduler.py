@@ -107,16 +107,31 @@ def test_max_num_seqs_limits_admission() -> None:
 
 
 def test_waiting_queue_full_raises_engine_busy() -> None:
-    sched = make(max_waiting=2)
-    sched.add(seq("a", 3))
-    sched.add(seq("b", 3))
-    with pytest.raises(EngineBusy, match="2 requests are already waiting") as info:
-        sched.add(seq("c", 3))
+    sched = make(max_num_seqs=1, max_waiting=2)
+    for name in "abc":  # two waiting places, and the free running slot the next step fills
+        sched.add(seq(name, 3, start=10 * ord(name)))
+    with pytest.raises(EngineBusy, match="3 requests are already waiting") as info:
+        sched.add(seq("d", 3))
     assert info.value.retry_after_s == 1.0
     assert info.value.code == "busy"
     step(sched)
-    sched.add(seq("c", 3))  # admission made room
-    assert sched.num_waiting == 1
+    assert (sched.num_running, sched.num_waiting) == (1, 2)
+    with pytest.raises(EngineBusy, match="2 requests are already waiting"):
+        sched.add(seq("d", 3))
+
+
+def test_a_slot_freed_before_the_next_step_is_room_for_a_new_request() -> None:
+    """Regression: a request arriving between a finish and the next step's admission was refused as busy."""
+    sched = make(max_num_seqs=1, max_waiting=1)
+    a, b = seq("a", 3), seq("b", 3, start=10)
+    sched.add(a)
+    step(sched)
+    sched.add(b)
+    sched.finish(a, SequenceStatus.FINISHED_STOPPED)  # b is still waiting: no step has run since
+    sched.add(seq("c", 3, start=20))  # the engine holds 2 = max_num_seqs + max_waiting: accepted
+    assert (sched.num_running, sched.num_waiting) == (0, 2)
+    with pytest.raises(EngineBusy):
+        sched.add(seq("d", 3, start=30))
 
 
 def test_duplicate_request_id_is_refused() -> None:
