@@ -9,6 +9,7 @@ requests fail inside a loaded engine's forward pass or sampler, so tests can che
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -275,7 +276,9 @@ class Faults:
       prompt; generated tokens never trigger it, so a request cannot be poisoned by what the model says);
     * ``nan_logits``: the logits row of these requests comes back all NaN (a model that blew up on their input);
     * ``corrupt_kv``: a forward pass writes NaN into the K/V slots it computed for these requests, then raises;
-    * ``sample_requests``: sampling the row of these requests raises.
+    * ``sample_requests``: sampling the row of these requests raises;
+    * ``step_delay_s``: every forward pass takes this much longer (a slow model, so a test can hold the engine full
+      without depending on how fast this CPU is).
 
     ``forward_batches`` records the request ids of every forward pass, in order, for assertions.
     """
@@ -285,6 +288,7 @@ class Faults:
     nan_logits: set[str] = field(default_factory=set)
     corrupt_kv: set[str] = field(default_factory=set)
     sample_requests: set[str] = field(default_factory=set)
+    step_delay_s: float = 0.0
     forward_batches: list[tuple[str, ...]] = field(default_factory=list)
     _runner: ModelRunner | None = field(default=None, repr=False)
 
@@ -307,6 +311,8 @@ class Faults:
 
     def _after_forward(self, items: list[BatchItem], logits: torch.Tensor) -> None:
         self.forward_batches.append(tuple(item.request_id for item in items))
+        if self.step_delay_s > 0:
+            time.sleep(self.step_delay_s)
         for item in items:
             if item.request_id in self.corrupt_kv:
                 self._write_nan_kv(item)

@@ -24,6 +24,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from engine.llm_engine import LLMEngine
+from engine.testing import Faults
 from support.engines import make_engine
 from support.server import CHAT_TOKEN, LiveServer, server_settings, serving
 
@@ -188,6 +189,9 @@ def one_slot_engine(tiny_model_dir: Path) -> Iterator[LLMEngine]:
     """An engine that holds two requests (one running, one waiting): a third is refused busy."""
     engine = make_engine(tiny_model_dir, max_num_seqs=1, max_waiting=1)
     asyncio.run(engine.start())
+    # NOTE: 10 ms a step: the first 500-token reply lasts >= 5 s, so the queue stays full through every refusal on any
+    # CPU (on a fast one the tiny model finished it while the refusals were measured).
+    Faults(step_delay_s=0.01).install(engine)
     yield engine
     asyncio.run(engine.stop())
 
