@@ -6,9 +6,10 @@ back here; they live in ``engine.llm_engine.EngineInfo`` (see STYLE.md, habit 6)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.kv.tier_config import CacheSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,8 @@ class EngineConfig:
     # exactly (engine/model/packed.py). False = dense weights only.
     packed_weights: bool = True
     cache_dir: str | None = None  # where converted models are kept; default ~/.cache/kvchat
+    disk_cache_dir: str | None = None  # the disk tier of the KV cache (safetensors + an SQLite index); None = none
+    cache_settings: CacheSettings = field(default_factory=CacheSettings)  # TTLs, disk cap, eviction, pinning
 
     def __post_init__(self) -> None:
         checks = {

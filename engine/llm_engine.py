@@ -37,11 +37,14 @@ from engine.errors import (
     PromptTooLongError,
     RequestFailed,
 )
-from engine.kv.block_hash import BlockHash, root_hash
+from engine.kv.block_hash import BlockHash, hash_chain, root_hash
 from engine.kv.block_meta import GENERATED, UNTYPED, SpanMap, TokenSpan
 from engine.kv.cache_stats import CacheStats
+from engine.kv.eviction import WeightedChooser
 from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult, KVCacheManager, KVCacheUsage
 from engine.kv.session_index import SessionIndex
+from engine.kv.tier_config import CacheSettings
+from engine.kv.tiers import DiskTier, TierStats, memory_only_stats
 from engine.openmp import release_thread_pool
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, RequestStats, TokenDelta
 from engine.prompt import SegmentedPrompt, TokenizedPrompt, spans_from_owners
@@ -60,7 +63,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvchat.engine")
 
 _MAX_RELEASED_SESSIONS = 100_000
+_MAX_TEMPERATURES = 100_000
+_SWEEP_EVERY_S = 1.0  # how often the memory TTL is applied (with a disk tier)
+_EXPIRE_EVERY_S = 60.0  # how often the disk TTL is applied
 RELEASE_REASON = "session_released"  # the invalidation reason release_session's blocks are counted under
+ERASE_REASON = "session_erased"
 _INTERNAL_ERROR = "internal engine error (see the server log)"
 
 ChatMessages = Sequence[dict[str, str]]
@@ -95,6 +102,20 @@ class EngineStats:
     generated_tokens: int
     steps: int
     cache: CacheStats  # prefix-cache hits by block type, reuse depth, efficiency, invalidations by reason
+    tiers: TierStats  # memory and disk tier occupancy, promotions, demotions, refused writes
+
+
+@dataclass(frozen=True, slots=True)
+class PinResult:
+    blocks: int  # full blocks of the pinned prefix
+    tokens: int
+    cached: int  # of those, cached (and so pinned) right now; the rest are pinned as soon as they are computed
+
+
+@dataclass(frozen=True, slots=True)
+class ErasureResult:
+    memory_blocks: int  # freed now, or unpublished and freed when the request holding them ends
+    disk_blocks: int
 
 
 @dataclass(slots=True)
@@ -137,6 +158,11 @@ class LLMEngine:
         self._released_sessions: dict[str, None] = {}
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
+        self._settings = self.config.cache_settings
+        self._tier: DiskTier | None = None
+        self._temperatures: dict[str, float] = {}  # session -> semantic temperature (eviction weighs it)
+        self._pins: dict[str, list[BlockHash]] = {}  # namespace -> its pinned prefix's hashes
+        self._last_sweep = self._last_expire = time.monotonic()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._loaded: concurrent.futures.Future[EngineInfo] | None = None  # set while a loop thread exists
@@ -147,6 +173,8 @@ class LLMEngine:
     def load(self) -> EngineInfo:
         """Resolve and load the model, size the KV pool (blocking; seconds)."""
         if self._info is not None:
+            if self._tier is None and self._runner is not None and self._wants_disk_tier():
+                self._tier = self._open_disk_tier(str(self.config.disk_cache_dir), self._runner)
             return self._info
         from engine.model.loader import fingerprint as model_fingerprint
         from engine.model_runner import ModelRunner
@@ -158,6 +186,7 @@ class LLMEngine:
         self._tokenizer = Tokenizer(runner.model_path)
         self._sampler = Sampler(runner.device)
         self._kv = KVCacheManager(runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self._kv.pool.chooser = WeightedChooser(lambda: self._settings, self._temperature_of)
         self._scheduler = Scheduler(SchedulerConfig.from_engine_config(self.config), self._kv)
         max_len = min(runner.max_model_len, self.config.max_model_len or runner.max_model_len)
         self._info = EngineInfo(
@@ -172,6 +201,8 @@ class LLMEngine:
             max_model_len=max_len,
             vocab_size=runner.vocab_size,
         )
+        if self._wants_disk_tier():
+            self._tier = self._open_disk_tier(str(self.config.disk_cache_dir), runner)
         log.info(
             "engine loaded: %s (%s, %s on %s), %d KV blocks of %d tokens",
             self._info.model_path,
@@ -221,6 +252,20 @@ class LLMEngine:
         with self._lock:
             for request_id in list(self._requests):
                 self._finish_with_error(request_id, EngineStopped("the engine stopped"))
+        await asyncio.to_thread(self.close_disk_tier)
+
+    def close_disk_tier(self) -> None:
+        """Write what memory holds back to disk (so the next process starts warm) and close the tier; ``stop()``
+        calls it. Blocks (the writes). A later ``start()`` or ``load()`` opens the tier again."""
+        with self._lock:
+            tier, self._tier = self._tier, None
+            if tier is None:
+                return
+            tier.demote_all()
+            if self._kv is not None:
+                self._kv.pool.capture_evictions = False
+                self._kv.pool.evicted.clear()
+        tier.close()
 
     @property
     def info(self) -> EngineInfo:
@@ -362,7 +407,7 @@ class LLMEngine:
             self._check_fits(len(token_ids), params.max_tokens)
             rid = request_id or uuid.uuid4().hex
             spans = SpanMap(tokenized.spans or (TokenSpan(0, len(token_ids), UNTYPED),), fill=GENERATED)
-            seq = Seq(rid, token_ids, params, self._root(namespace), spans=spans)
+            seq = Seq(rid, token_ids, params, self._root(namespace), spans=spans, session=session)
             eos = self._tokenizer.eos_token_ids if self._tokenizer else ()
             state = self._sampler.new_state(params, eos, request_id=rid)
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
@@ -378,6 +423,10 @@ class LLMEngine:
                     self._scheduler.add(seq)  # may raise EngineBusy
                     self._requests[rid] = request
                     added.append(rid)
+                if self._tier is not None:
+                    for _, seq, _ in prepared:
+                        if not seq.params.prompt_logprobs:
+                            self._tier.start_prefetch(seq)
             except EngineError:
                 for rid in added:  # all or none
                     self._scheduler.abort(rid)
@@ -403,7 +452,103 @@ class LLMEngine:
             if len(self._released_sessions) > _MAX_RELEASED_SESSIONS:
                 del self._released_sessions[next(iter(self._released_sessions))]
             self._session_roots.pop(session, None)
-            return self._kv.evict_cached(self._sessions.release(session), reason=RELEASE_REASON)
+            self._temperatures.pop(session, None)
+            hashes = self._sessions.release(session)
+            if self._tier is not None:  # demoted, not dropped: a customer who comes back finds the session on disk
+                self._tier.demote(self._kv.records(hashes))
+            return self._kv.evict_cached(hashes, reason=RELEASE_REASON)
+
+    def erase_session(self, session: str, namespace: str) -> ErasureResult:
+        """Erasure: remove the session's blocks from every tier (a shared prefix another session wants stays).
+
+        Memory: its recorded chain and every block a request of the session published, with their dependents; disk:
+        the same, and every block the session owned there (also those of an earlier process).
+        """
+        if self._kv is None:
+            raise EngineStopped("the engine is not loaded")
+        root = self._root(namespace)
+        with self._lock:
+            chain = list(self._sessions.chain(session)) if self._session_roots.get(session) == root else []
+            protected = self._protected_from(session)
+            self._released_sessions[session] = None
+            self._sessions.release(session)
+            self._session_roots.pop(session, None)
+            self._temperatures.pop(session, None)
+            hashes = list(dict.fromkeys(chain + self._kv.owned_by(session, root)))
+            result = self._kv.invalidate(hashes, root=root, protected=protected, reason=ERASE_REASON)
+        disk = self._tier.erase_owner(session, hashes, root, protected) if self._tier is not None else 0
+        return ErasureResult(result.blocks_freed + result.deferred, disk)
+
+    # ------------------------------------------------------------------ cache settings, pinning, eviction hints
+
+    def cache_settings(self) -> CacheSettings:
+        return self._settings
+
+    def configure_cache(self, **changes: object) -> CacheSettings:
+        """Change cache settings while the engine runs (validated; ``InvalidRequestError`` names a bad one)."""
+        with self._lock:
+            settings = self._settings.changed(**changes)
+            if (
+                self._kv is not None
+                and self._pinned_wanted(self._pins) > settings.pin_max_fraction * self._kv.num_blocks
+            ):
+                raise InvalidRequestError(
+                    f"pin_max_fraction={settings.pin_max_fraction} is below the share pinned now; unpin first"
+                )
+            self._settings = settings
+            if self._tier is not None:
+                self._tier.store.set_limits(
+                    max_bytes=settings.disk_max_bytes, min_free_bytes=settings.min_free_bytes, ttl_s=settings.disk_ttl_s
+                )
+        return settings
+
+    def pin_prefix(self, namespace: str, token_ids: Sequence[int]) -> PinResult:
+        """Pin the full blocks of ``token_ids`` (a prefix every prompt of ``namespace`` starts with: the system and
+        policy text) in memory: never evicted nor demoted while pinned. Replaces the namespace's earlier pin.
+
+        Raises ``InvalidRequestError`` when all pins together would exceed ``pin_max_fraction`` of the pool.
+        """
+        if self._kv is None:
+            raise EngineStopped("the engine is not loaded")
+        ids = self.tokenize_prompt(list(token_ids)).token_ids if token_ids else []
+        root = self._root(namespace)
+        hashes = hash_chain(root, ids, self.info.block_size)
+        with self._lock:
+            pins = {**self._pins, namespace: hashes}
+            limit = int(self._settings.pin_max_fraction * self._kv.num_blocks)
+            if self._pinned_wanted(pins) > limit:
+                raise InvalidRequestError(
+                    f"pinning {len(hashes)} blocks would exceed the pinned share of the pool ({limit} blocks, "
+                    f"pin_max_fraction={self._settings.pin_max_fraction})"
+                )
+            old = self._pins.get(namespace, [])
+            self._kv.unpin([h for h in old if h not in set(hashes)])
+            self._pins[namespace] = hashes
+            self._kv.pin(hashes)
+            cached = self._kv.num_cached(hashes)
+        return PinResult(len(hashes), len(hashes) * self.info.block_size, cached)
+
+    def unpin(self, namespace: str) -> int:
+        """Unpin the namespace's prefix (its blocks age out like any other). Returns blocks unpinned now."""
+        if self._kv is None:
+            raise EngineStopped("the engine is not loaded")
+        with self._lock:
+            return self._kv.unpin(self._pins.pop(namespace, []))
+
+    def set_session_temperature(self, session: str, temperature: float) -> None:
+        """The session's semantic temperature (0 cold .. 1 hot): eviction takes a cold topic's blocks first."""
+        with self._lock:
+            self._temperatures.pop(session, None)
+            self._temperatures[session] = float(temperature)
+            if len(self._temperatures) > _MAX_TEMPERATURES:
+                del self._temperatures[next(iter(self._temperatures))]
+
+    def _temperature_of(self, session: str | None) -> float | None:
+        return None if session is None else self._temperatures.get(session)
+
+    @staticmethod
+    def _pinned_wanted(pins: dict[str, list[BlockHash]]) -> int:
+        return len({h for hashes in pins.values() for h in hashes})
 
     def invalidate(
         self,
@@ -437,7 +582,11 @@ class LLMEngine:
             targets = list(block_hashes or ())
             if from_position is not None and session is not None:
                 targets += self._cut_session(session, root, from_position // self.info.block_size)
-            return self._kv.invalidate(targets, root=root, protected=self._protected_from(session), reason=reason)
+            protected = self._protected_from(session)
+            result = self._kv.invalidate(targets, root=root, protected=protected, reason=reason)
+            if self._tier is not None:  # NOTE: the disk copies of the subtree go too (the index knows each parent)
+                self._tier.remove(targets, root, protected)
+            return result
 
     def flush_namespace(self, namespace: str, reason: str = "flushed") -> InvalidationResult:
         """Free every cached block of ``namespace`` (all its sessions' chains, its shared prefixes); no other
@@ -450,7 +599,10 @@ class LLMEngine:
         with self._lock:
             for session in [s for s, r in self._session_roots.items() if r == root]:
                 self._sessions.truncate(session, 0)
-            return self._kv.flush_root(root, reason=reason)
+            result = self._kv.flush_root(root, reason=reason)
+            if self._tier is not None:
+                self._tier.store.remove_root(root)
+            return result
 
     def session_footprint(self, session: str) -> CacheFootprint:
         """The blocks of ``session``'s recorded chain that are cached right now (shared ones included)."""
@@ -501,7 +653,15 @@ class LLMEngine:
                 generated_tokens=c.generated_tokens,
                 steps=c.steps,
                 cache=self._kv.cache_stats(),
+                tiers=self._tier_stats(),
             )
+
+    def _tier_stats(self) -> TierStats:
+        assert self._kv is not None
+        usage, pinned = self._kv.usage(), self._kv.pool.num_pinned
+        if self._tier is None:
+            return memory_only_stats(usage.num_used_blocks, usage.num_cached_blocks, pinned)
+        return self._tier.stats(usage.num_used_blocks, usage.num_cached_blocks, pinned)
 
     # ------------------------------------------------------------------ synchronous driving (tests, benchmarks)
 
@@ -510,8 +670,13 @@ class LLMEngine:
         if self._thread is not None:
             raise InvalidRequestError("run_until_idle() cannot be used while the step loop runs")
         try:
-            while self._step():
-                pass
+            while True:
+                if self._step():
+                    continue
+                if not self._loading():
+                    break
+                self._wakeup.wait(0.05)  # NOTE: a prefix is loading from disk; the loader wakes us when it is in
+                self._wakeup.clear()
         except Exception:
             self._fail_in_flight()
             raise
@@ -562,6 +727,7 @@ class LLMEngine:
         while not stopping.is_set():
             self._wakeup.clear()
             try:
+                self._maintain()
                 worked = self._step()
             except Exception:
                 log.exception("engine step failed; failing the requests in flight")
@@ -576,11 +742,34 @@ class LLMEngine:
             self._wakeup.wait(0.1)
         release_thread_pool()
 
+    def _loading(self) -> bool:
+        assert self._scheduler is not None
+        with self._lock:
+            return any(seq.loading for seq in self._scheduler.waiting)
+
+    def _maintain(self) -> None:
+        """Tier upkeep between steps: the memory TTL (idle blocks to disk) and the disk TTL."""
+        tier = self._tier
+        if tier is None:
+            return
+        now = time.monotonic()
+        if now - self._last_sweep >= _SWEEP_EVERY_S:
+            self._last_sweep = now
+            with self._lock:
+                tier.sweep_idle(now - self._settings.memory_ttl_s)
+        if now - self._last_expire >= _EXPIRE_EVERY_S:
+            self._last_expire = now
+            tier.store.expire()
+
     def _step(self) -> bool:
         assert self._scheduler is not None and self._sampler is not None
         with self._lock:
             self._apply_aborts()
+            if self._tier is not None:
+                self._tier.install_loaded()
             out = self._scheduler.schedule()
+            if self._tier is not None:
+                self._tier.drain_evictions()  # NOTE: before the forward pass overwrites the blocks handed out
             for seq in out.rejected:
                 self._finish_with_error(
                     seq.request_id,
@@ -756,6 +945,38 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ helpers
 
+    def _wants_disk_tier(self) -> bool:
+        return bool(self.config.disk_cache_dir) and self.config.enable_prefix_caching
+
+    def _open_disk_tier(self, directory: str, runner: ModelRunner) -> DiskTier:
+        from engine.kv.disk_store import DiskStore
+        from engine.kv.disk_writer import DiskWriter
+
+        assert self._kv is not None
+        settings = self._settings
+        store = DiskStore(
+            directory,
+            self._kv_fingerprint(),
+            max_bytes=settings.disk_max_bytes,
+            min_free_bytes=settings.min_free_bytes,
+            ttl_s=settings.disk_ttl_s,
+        )
+        log.info("disk tier at %s: %d blocks from earlier runs", directory, store.stats().blocks)
+        return DiskTier(store, DiskWriter(store), self._kv, runner, self._wakeup.set)
+
+    def _kv_fingerprint(self) -> str:
+        """What K/V on disk must match to be reused: the model and tokenizer, and everything that changes K/V bits
+        (dtype, weight quantization, block geometry, the CPU's kernel family)."""
+        import hashlib
+
+        import torch
+
+        info, config = self.info, self.config
+        cpu = torch.backends.cpu.get_cpu_capability() if info.device == "cpu" else info.device
+        parts = [info.fingerprint, info.dtype, str(config.quantization), str(config.packed_weights), cpu]
+        parts += [str(info.block_size), str(info.kv_bytes_per_token)]
+        return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
     def _root(self, namespace: str) -> BlockHash:
         root = self._roots.get(namespace)
         if root is None:
@@ -806,6 +1027,10 @@ def _request_stats(seq: Seq, first_token_time: float | None, now: float) -> Requ
         num_preemptions=seq.num_preemptions,
         prompt_tokens_by_type=seq.spans.tokens_by_type(0, seq.num_prompt_tokens),
         cached_tokens_by_type=seq.spans.tokens_by_type(0, seq.num_cached_tokens),
+        cached_tokens_by_tier={
+            "memory": seq.num_cached_tokens - seq.num_disk_cached_tokens,
+            "disk": seq.num_disk_cached_tokens,
+        },
     )
 
 

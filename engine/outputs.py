@@ -27,6 +27,8 @@ class RequestStats:
     # ones served from the prefix cache (at first admission). Each adds up to prompt_tokens / cached_tokens.
     prompt_tokens_by_type: Mapping[str, int] = field(default_factory=dict)
     cached_tokens_by_type: Mapping[str, int] = field(default_factory=dict)
+    # Of cached_tokens, those found in memory and those promoted from the disk tier for this request.
+    cached_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

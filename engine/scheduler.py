@@ -159,8 +159,11 @@ class Scheduler:
         self._schedule_running(step, decodes=False)
         # NOTE: no admission in a step that preempted: the pool is already short, a new sequence would only be
         # preempted in turn (the same rule as vLLM).
-        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs and not step.preempted:
-            if not self._admit(self.waiting[0], step):
+        # NOTE: a sequence whose prefix is still loading from disk is passed over, not waited for; the rest keep order.
+        for seq in [s for s in self.waiting if not s.loading]:
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs or step.preempted:
+                break
+            if not self._admit(seq, step):
                 break
         return SchedulerOutput(list(step.scheduled.values()), step.preempted, step.rejected)
 
@@ -177,9 +180,7 @@ class Scheduler:
             seq.num_computed_tokens = end
             seq.num_prefilled_tokens += max(0, min(end, seq.num_prompt_tokens) - item.start_pos)
             if end // self.config.block_size > item.start_pos // self.config.block_size:  # a block became full
-                self.kv.cache_full_blocks(seq.request_id, seq.root, seq.all_token_ids, end)
-
-    postprocess = update_after_step
+                self.kv.cache_full_blocks(seq.request_id, seq.root, seq.all_token_ids, end, owner=seq.session)
 
     def _schedule_running(self, step: _Step, decodes: bool) -> None:
         for seq in list(self.running):
@@ -219,7 +220,7 @@ class Scheduler:
                 return False  # FCFS: the head waits for blocks; nobody overtakes it
             self._reject(seq, step)
             return True
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         if seq.publish_limit is not None:  # (set while it waited, or before a preemption freed its blocks)
             self.kv.stop_publishing(seq.request_id, seq.publish_limit)
         seq.status = SequenceStatus.RUNNING
@@ -227,6 +228,9 @@ class Scheduler:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
             seq.num_cached_tokens = match.num_cached_tokens
+            if seq.promoted:
+                disk = sum(1 for h in match.block_hashes if h in seq.promoted)
+                seq.num_disk_cached_tokens = disk * self.config.block_size
         self.running.append(seq)
         self._plan(seq, num_new, step)
         return True

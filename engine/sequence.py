@@ -48,6 +48,12 @@ class Sequence:
     publish_limit: int | None = None
     # With params.prompt_logprobs: log p(prompt token p | tokens before it) at index p (None at 0 and until computed).
     prompt_logprobs: list[float | None] | None = None
+    session: str | None = None  # the chat session it belongs to (owner of the blocks it publishes)
+    # Tiers: while True, blocks of its prefix are being loaded from disk and the scheduler does not admit it yet;
+    # ``promoted`` holds the hashes loaded for it, so the hit can be reported by tier.
+    loading: bool = False
+    promoted: frozenset[BlockHash] = frozenset()
+    num_disk_cached_tokens: int = 0  # of num_cached_tokens, those promoted from disk for this request
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

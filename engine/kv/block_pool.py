@@ -5,8 +5,10 @@ Pure bookkeeping over integers; the tensors that hold the K/V values live in the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.kv.block_hash import BlockHash
 from engine.kv.block_meta import BlockMeta
@@ -23,6 +25,9 @@ class KVBlock:
     token_ids: tuple[int, ...] | None = None
     meta: BlockMeta | None = None  # block types / semantic ids it covers (set with the hash)
     num_hits: int = 0  # prefix hits since it was published
+    owner: str | None = None  # the session whose request published it (erasure; eviction weighs its temperature)
+    last_used: float = 0.0  # time.monotonic() when its last holder released it
+    pinned: bool = False  # a pinned block never joins the free queue, so it is never evicted
     # Links of the free queue; both are None exactly when the block is not in the queue.
     prev_free: KVBlock | None = None
     next_free: KVBlock | None = None
@@ -83,6 +88,13 @@ class FreeBlockQueue:
         first.prev_free = block
         self._len += 1
 
+    def head(self) -> KVBlock:
+        """The block ``popleft`` would return (not removed)."""
+        first = self._head.next_free
+        if first is None or first is self._tail:
+            raise IndexError("the free queue is empty")
+        return first
+
     def popleft(self) -> KVBlock:
         first = self._head.next_free
         if first is None or first is self._tail:
@@ -98,6 +110,26 @@ class FreeBlockQueue:
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
         self._len -= 1
+
+
+@dataclass(frozen=True, slots=True)
+class EvictedBlock:
+    """A published block handed out for new content: what a lower tier needs to keep a copy (read its K/V from
+    ``block_id`` before the next forward pass overwrites it)."""
+
+    block_id: int
+    block_hash: BlockHash
+    parent: BlockHash
+    root: BlockHash
+    token_ids: tuple[int, ...]
+    block_types: tuple[str, ...]
+    owner: str | None
+
+
+class VictimChooser(Protocol):
+    """Picks the next block to hand out from the free queue (``engine.kv.eviction``); None = the queue's head."""
+
+    def choose(self, pool: BlockPool) -> KVBlock: ...
 
 
 class BlockPool:
@@ -117,6 +149,11 @@ class BlockPool:
         self.deps = DependencyIndex()
         self.num_published = 0  # blocks ever published
         self._num_retired_reused = 0  # blocks unpublished after at least one hit
+        self.chooser: VictimChooser | None = None  # None: plain LRU (the queue's head)
+        self.capture_evictions = False  # record published blocks handed out for new content in ``evicted``
+        self.evicted: list[EvictedBlock] = []
+        self.pin_wanted: set[BlockHash] = set()  # hashes pinned now or as soon as they are published
+        self.num_pinned = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -167,8 +204,11 @@ class BlockPool:
                 block = self.blocks[next_id]
                 self.free_queue.remove(block)
             else:
-                block = self.free_queue.popleft()
+                block = self.chooser.choose(self) if self.chooser is not None else self.free_queue.head()
+                self.free_queue.remove(block)
             next_id = block.block_id + 1
+            if self.capture_evictions:
+                self._capture(block)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -184,18 +224,21 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block, reviving it from the free queue when it was free."""
         for block in blocks:
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 0 and not block.pinned:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference on each block, in the given order; a block whose count reaches 0 joins the queue."""
+        now = time.monotonic()
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                block.last_used = now
+                if not block.pinned:
+                    self.free_queue.append(block)
 
     def cache_block(
         self,
@@ -206,6 +249,7 @@ class BlockPool:
         parent: BlockHash | None = None,
         root: BlockHash | None = None,
         meta: BlockMeta | None = None,
+        owner: str | None = None,
     ) -> bool:
         """Publish a full block under ``block_hash``. Returns False (and leaves the block unpublished) when another
         block already holds that hash: the first copy stays the canonical one, the map never points at two blocks.
@@ -219,14 +263,73 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.meta = meta
+        block.owner = owner
         self.cached[block_hash] = block
         self.num_published += 1
         if parent is not None and root is not None:
             self.deps.add(block_hash, parent, root)
+        if block_hash in self.pin_wanted:
+            self._pin(block)
         return True
+
+    # ------------------------------------------------------------------ pinning
+
+    def pin(self, hashes: Iterable[BlockHash]) -> None:
+        """Pin these hashes: cached blocks now, the others as soon as they are published."""
+        for block_hash in hashes:
+            self.pin_wanted.add(block_hash)
+            block = self.cached.get(block_hash)
+            if block is not None:
+                self._pin(block)
+
+    def unpin(self, hashes: Iterable[BlockHash]) -> int:
+        """Unpin these hashes; a free one joins the free queue (most recently used). Returns blocks unpinned."""
+        n = 0
+        for block_hash in hashes:
+            self.pin_wanted.discard(block_hash)
+            block = self.cached.get(block_hash)
+            if block is not None and block.pinned:
+                self._unpin(block)
+                n += 1
+        return n
+
+    def _pin(self, block: KVBlock) -> None:
+        if block.pinned:
+            return
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+        block.pinned = True
+        self.num_pinned += 1
+
+    def _unpin(self, block: KVBlock) -> None:
+        block.pinned = False
+        self.num_pinned -= 1
+        if block.ref_cnt == 0:
+            self.free_queue.append(block)
+
+    def _capture(self, block: KVBlock) -> None:
+        record = self.record_of(block)
+        if record is not None:
+            self.evicted.append(record)
+
+    def record_of(self, block: KVBlock) -> EvictedBlock | None:
+        """What a lower tier needs to keep a copy of this published block (None when it is not the canonical copy)."""
+        block_hash = block.block_hash
+        if block_hash is None or self.cached.get(block_hash) is not block or block.token_ids is None:
+            return None
+        parent, root = self.deps.parent(block_hash), self.deps.root_of(block_hash)
+        if parent is None or root is None:
+            return None
+        types = tuple(sorted(block.meta.block_types)) if block.meta is not None else ()
+        return EvictedBlock(block.block_id, block_hash, parent, root, block.token_ids, types, block.owner)
 
     def unpublish(self, block: KVBlock) -> None:
         """Drop a block's hash whether or not it is in use: no later match finds it; holders keep reading its K/V."""
+        if block.pinned:
+            block.pinned = False
+            self.num_pinned -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
         self._evict(block)
 
     def evict_free_blocks(self, blocks: Sequence[KVBlock]) -> None:
@@ -237,6 +340,9 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt != 0:
                 raise ValueError(f"{block} is in use and cannot be evicted")
+        for block in blocks:
+            if block.pinned:  # (an invalidation or a flush reaches pinned blocks too; the pin stays wanted)
+                self._unpin(block)
         # NOTE: appendleft in reverse so the queue's head ends up in the given order. An evicted block holds nothing
         # reusable, so it is handed out before any block that still holds a published prefix.
         for block in reversed(blocks):
@@ -255,3 +361,4 @@ class BlockPool:
         block.token_ids = None
         block.meta = None
         block.num_hits = 0
+        block.owner = None

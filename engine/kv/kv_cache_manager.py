@@ -20,8 +20,8 @@ from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass, field
 
 from engine.kv.block_hash import BlockHash, hash_block, hash_chain
-from engine.kv.block_meta import SpanMap
-from engine.kv.block_pool import BlockPool, KVBlock
+from engine.kv.block_meta import BlockMeta, SpanMap
+from engine.kv.block_pool import BlockPool, EvictedBlock, KVBlock
 from engine.kv.cache_stats import CacheStats, CacheStatsRecorder
 
 
@@ -153,9 +153,17 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(
-        self, request_id: str, root: BlockHash, token_ids: Sequence[int], num_computed_tokens: int
+        self,
+        request_id: str,
+        root: BlockHash,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        owner: str | None = None,
     ) -> None:
-        """Hash and publish every block of the request that ``num_computed_tokens`` has filled since the last call."""
+        """Hash and publish every block of the request that ``num_computed_tokens`` has filled since the last call.
+
+        ``owner``: the session the request belongs to (recorded on each block it publishes).
+        """
         state = self._requests.get(request_id)
         if state is None or not self.enable_prefix_caching:
             return
@@ -173,7 +181,7 @@ class KVCacheManager:
             # NOTE: when another block already holds this hash (two requests prefilled the same prefix at once) the
             # existing mapping wins and this block simply stays unpublished; it is freed like any other block.
             meta = state.spans.block_meta(i * bs, (i + 1) * bs)
-            self.pool.cache_block(state.blocks[i], block_hash, tokens, parent=parent, root=root, meta=meta)
+            self.pool.cache_block(state.blocks[i], block_hash, tokens, parent=parent, root=root, meta=meta, owner=owner)
 
     def request_hashes(self, request_id: str) -> tuple[BlockHash, ...]:
         """Chain hashes of the request's full blocks computed so far (published or not), in chain order."""
@@ -305,6 +313,61 @@ class KVCacheManager:
         # LRU): invalidate() takes each one's subtree, so naming every block would walk each chain once per block.
         tops = [h for h in own if deps.parent(h) not in published]
         return self.invalidate(tops, root=root, reason=reason)
+
+    # ------------------------------------------------------------------ tiers (engine.kv.tiers drives these)
+
+    def take_blocks(self, n: int) -> list[int]:
+        """Take ``n`` free blocks (ref 1 each) for content promoted from a lower tier; the caller checked there are."""
+        return [block.block_id for block in self.pool.get_new_blocks(n)]
+
+    def publish_promoted(self, block_ids: Sequence[int], records: Sequence[EvictedBlock]) -> int:
+        """Publish blocks whose K/V was just loaded from a lower tier, then release them (most recently used).
+
+        A hash already cached (a request computed it meanwhile) leaves its block unpublished. Returns blocks published.
+        """
+        published = 0
+        blocks = [self.pool.blocks[i] for i in block_ids]
+        for block, rec in zip(blocks, records, strict=True):
+            meta = BlockMeta(tuple((t, 0) for t in rec.block_types))
+            published += self.pool.cache_block(
+                block, rec.block_hash, rec.token_ids, parent=rec.parent, root=rec.root, meta=meta, owner=rec.owner
+            )
+        self.pool.free_blocks(reversed(blocks))
+        return published
+
+    def idle_blocks(self, older_than: float) -> list[EvictedBlock]:
+        """Free, unpinned, published blocks released before ``older_than`` (``time.monotonic()``), leaves first."""
+        out = [
+            rec
+            for block in self.pool.free_queue
+            if block.block_hash is not None and block.last_used < older_than
+            if (rec := self.pool.record_of(block)) is not None
+        ]
+        out.reverse()  # NOTE: the queue holds chains tail first; reversed, a chain's head comes first in each run
+        return out
+
+    def records(self, hashes: Iterable[BlockHash], *, free_only: bool = True) -> list[EvictedBlock]:
+        """Tier records of the cached blocks among ``hashes`` (free ones only, by default), in the given order."""
+        out = []
+        for block_hash in hashes:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None or (free_only and block.ref_cnt > 0):
+                continue
+            rec = self.pool.record_of(block)
+            if rec is not None:
+                out.append(rec)
+        return out
+
+    def owned_by(self, owner: str, root: BlockHash) -> list[BlockHash]:
+        """Hashes of the cached blocks of ``root`` that a request of session ``owner`` published."""
+        deps = self.pool.deps
+        return [h for h, b in self.pool.cached.items() if b.owner == owner and deps.root_of(h) == root]
+
+    def pin(self, hashes: Sequence[BlockHash]) -> None:
+        self.pool.pin(hashes)
+
+    def unpin(self, hashes: Sequence[BlockHash]) -> int:
+        return self.pool.unpin(hashes)
 
     def num_cached(self, hashes: Iterable[BlockHash]) -> int:
         """How many distinct blocks of ``hashes`` are cached right now. No side effects."""

@@ -366,11 +366,11 @@ async def test_the_step_thread_loads_the_model(tiny_model_dir: Path, monkeypatch
 
 
 def test_submit_many_is_all_or_none_and_schedules_together(tiny_model_dir: Path) -> None:
-    engine = make_engine(tiny_model_dir, max_waiting=2)
+    engine = make_engine(tiny_model_dir, max_num_seqs=2, max_waiting=1)
     engine.load()
     params = SamplingParams(max_tokens=3)
-    with pytest.raises(EngineBusy):
-        engine.submit_many([(fresh(8, 40 + i), params, "default", Collector()) for i in range(3)])
+    with pytest.raises(EngineBusy):  # room for 3: two free running slots and one waiting place
+        engine.submit_many([(fresh(8, 40 + i), params, "default", Collector()) for i in range(4)])
     assert (engine.stats().waiting, engine.stats().running) == (0, 0)
     with pytest.raises(InvalidRequestError, match=r"^request id 'x' is already in flight$"):
         engine.submit_many([(fresh(8, 43 + i), params, "default", Collector()) for i in range(2)], ["x", "x"])
