@@ -66,6 +66,8 @@ _MAX_RELEASED_SESSIONS = 100_000
 _MAX_TEMPERATURES = 100_000
 _SWEEP_EVERY_S = 1.0  # how often the memory TTL is applied (with a disk tier)
 _EXPIRE_EVERY_S = 60.0  # how often the disk TTL is applied
+_SWEEP_MAX_BLOCKS = 256  # blocks one memory-TTL sweep demotes (the copy holds the step loop's lock)
+_MAX_PENDING_BYTES = 256 * 1024 * 1024  # K/V copies waiting for the disk writer
 RELEASE_REASON = "session_released"  # the invalidation reason release_session's blocks are counted under
 ERASE_REASON = "session_erased"
 _INTERNAL_ERROR = "internal engine error (see the server log)"
@@ -756,7 +758,7 @@ class LLMEngine:
         if now - self._last_sweep >= _SWEEP_EVERY_S:
             self._last_sweep = now
             with self._lock:
-                tier.sweep_idle(now - self._settings.memory_ttl_s)
+                tier.sweep_idle(now - self._settings.memory_ttl_s, _SWEEP_MAX_BLOCKS)
         if now - self._last_expire >= _EXPIRE_EVERY_S:
             self._last_expire = now
             tier.store.expire()
@@ -962,7 +964,9 @@ class LLMEngine:
             ttl_s=settings.disk_ttl_s,
         )
         log.info("disk tier at %s: %d blocks from earlier runs", directory, store.stats().blocks)
-        return DiskTier(store, DiskWriter(store), self._kv, runner, self._wakeup.set)
+        # NOTE: a bounded queue: each pending block holds a copy of its K/V in RAM (368 KiB for SmolLM2 in bf16)
+        pending = max(64, min(1024, _MAX_PENDING_BYTES // max(1, self.info.kv_bytes_per_token * self.info.block_size)))
+        return DiskTier(store, DiskWriter(store, max_pending_blocks=pending), self._kv, runner, self._wakeup.set)
 
     def _kv_fingerprint(self) -> str:
         """What K/V on disk must match to be reused: the model and tokenizer, and everything that changes K/V bits

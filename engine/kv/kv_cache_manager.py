@@ -335,14 +335,17 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(blocks))
         return published
 
-    def idle_blocks(self, older_than: float) -> list[EvictedBlock]:
-        """Free, unpinned, published blocks released before ``older_than`` (``time.monotonic()``), leaves first."""
-        out = [
-            rec
-            for block in self.pool.free_queue
-            if block.block_hash is not None and block.last_used < older_than
-            if (rec := self.pool.record_of(block)) is not None
-        ]
+    def idle_blocks(self, older_than: float, limit: int | None = None) -> list[EvictedBlock]:
+        """Free, unpinned, published blocks released before ``older_than`` (``time.monotonic()``): the ``limit``
+        least recently released, chain heads first."""
+        out: list[EvictedBlock] = []
+        for block in self.pool.free_queue:
+            if limit is not None and len(out) >= limit:
+                break
+            if block.block_hash is not None and block.last_used < older_than:
+                rec = self.pool.record_of(block)
+                if rec is not None:
+                    out.append(rec)
         out.reverse()  # NOTE: the queue holds chains tail first; reversed, a chain's head comes first in each run
         return out
 

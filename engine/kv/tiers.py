@@ -105,9 +105,9 @@ class DiskTier:
         self.demote(self._kv.records(hashes))
         return self._kv.evict_cached(hashes)
 
-    def sweep_idle(self, older_than: float) -> int:
-        """Demote every free block idle since before ``older_than`` (the memory TTL) and free it."""
-        records = self._kv.idle_blocks(older_than)
+    def sweep_idle(self, older_than: float, limit: int | None = None) -> int:
+        """Demote free blocks idle since before ``older_than`` (the memory TTL), the oldest ``limit``, and free them."""
+        records = self._kv.idle_blocks(older_than, limit)
         if not records:
             return 0
         self.demote(records)
