@@ -43,7 +43,7 @@ class CacheSettings:
     disk_ttl_s: float = 7 * 24 * 3600.0  # an untouched block leaves the disk after this
     disk_cache_max_gb: float = 10.0  # size cap of the disk tier (least recently used files go first)
     min_free_space_gb: float = 5.0  # below this much free space on the disk, writes are refused (and counted)
-    eviction_policy: str = "weighted"  # "weighted" (temperature, type, reuse, recency) or "lru"
+    eviction_policy: str = "lru"  # or "weighted" (temperature, type, recency): no better on our replay, see eviction.py
     type_weights: Mapping[str, float] = field(default_factory=lambda: DEFAULT_TYPE_WEIGHTS)
     pin_max_fraction: float = 0.25  # pinned blocks may hold at most this share of the memory pool
 
