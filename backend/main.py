@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from backend.api import boundary, docs
 from backend.api.routes import (
     admin_audit,
+    admin_cache,
     admin_rules,
     admin_sessions,
     admin_stats,
@@ -33,9 +34,12 @@ from backend.core.config import Settings
 from backend.core.heap import long_lived_heap_frozen
 from backend.core.logs import RequestIdMiddleware
 from backend.core.metrics import Metrics, instrument_database
+from backend.core.namespaces import Namespaces, load_secret
 from backend.core.state import AppState
 from backend.db import migrate
 from backend.db.engine import create_db_engine, create_sessionmaker, peer_workers, worker_name
+from backend.services import cache_admin
+from backend.services.context_service import ContextService
 from backend.services.tenants import BootstrapResult, bootstrap_default_tenant
 from engine.llm_engine import LLMEngine
 
@@ -57,6 +61,7 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
         db_engine = create_db_engine(url, application_name=name)
         sessionmaker = create_sessionmaker(db_engine)
         metrics = Metrics()
+        namespaces = Namespaces(load_secret(settings.secret_key, settings.data_dir))
         boot = await bootstrap_default_tenant(sessionmaker, settings.bootstrap_chat_token, settings.bootstrap_admin_key)
         _announce_keys(boot)
         own_engine = engine is None
@@ -67,9 +72,13 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
         reply = ReplyConfig(settings.reply_max_tokens, settings.reply_temperature, settings.reply_top_p)
         metrics.watch_engine(llm)
         instrument_database(db_engine, metrics)
-        chat = ChatService(sessionmaker, llm, SessionHub(), reply, settings.test_commit_delay_seconds, metrics)
+        context = ContextService(sessionmaker, llm, namespaces)
+        chat = ChatService(sessionmaker, llm, SessionHub(), context, reply, settings.test_commit_delay_seconds, metrics)
         await _recover_interrupted_turns(chat, db_engine, name)
-        app.state.kvchat = AppState(settings, db_engine, sessionmaker, llm, chat, metrics)
+        pinned = await cache_admin.pin_at_start(sessionmaker, llm, namespaces)
+        if pinned:
+            log.info("pinned the system + policy prefix of %d tenant(s)", pinned)
+        app.state.kvchat = AppState(settings, db_engine, sessionmaker, llm, chat, metrics, namespaces)
         sweeper = asyncio.create_task(_sweep_idle_sessions(chat, settings.session_timeout_seconds))
         base = f"http://{settings.host}:{settings.port}"
         log.info("kvchat ready: chat page %s/chat (websocket /ws/chat), API docs %s/docs", base, base)
@@ -100,6 +109,7 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
     app.include_router(admin_tenant.router)
     app.include_router(admin_rules.router)
     app.include_router(admin_audit.router)
+    app.include_router(admin_cache.router)
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

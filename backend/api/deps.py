@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import hmac
+import ipaddress
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, Security, status
@@ -87,14 +90,85 @@ def audited(action: str) -> Any:
     """
 
     async def record(request: Request, tenant: AdminDep, state: StateDep) -> AsyncIterator[None]:
-        target = _printable("/".join(str(v) for v in request.path_params.values())) or None
-        entry = audit.AuditEntry(tenant.id, display_prefix(bearer_token(request)), action, target, audit.OK)
-        try:
+        entry = audit.AuditEntry(tenant.id, display_prefix(bearer_token(request)), action, _target(request), audit.OK)
+        async with _recording(request, state, entry):
             yield
-        except Exception as exc:
-            await audit.record(state.sessionmaker, dataclasses.replace(entry, result=_audit_result(exc)))
-            raise
-        await audit.record(state.sessionmaker, entry)
+
+    dependency: Callable[..., Any] = record
+    return Depends(dependency, scope="function")
+
+
+def audit_note(request: Request, detail: str) -> None:
+    """What the action did, for its audit row (``audited`` / ``operator_audited`` store it with the result)."""
+    request.state.audit_detail = detail[:500]
+
+
+@asynccontextmanager
+async def _recording(request: Request, state: AppState, entry: audit.AuditEntry) -> AsyncIterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        detail = getattr(request.state, "audit_detail", None)
+        await audit.record(state.sessionmaker, dataclasses.replace(entry, result=_audit_result(exc), detail=detail))
+        raise
+    await audit.record(
+        state.sessionmaker, dataclasses.replace(entry, detail=getattr(request.state, "audit_detail", None))
+    )
+
+
+def _target(request: Request) -> str | None:
+    return _printable("/".join(str(v) for v in request.path_params.values())) or None
+
+
+# NOTE: the operator's credential (KVCHAT_OPERATOR_TOKEN), declared for /docs; a tenant's key never passes.
+OPERATOR_BEARER = HTTPBearer(
+    auto_error=False, scheme_name="OperatorToken", description="the operator token (KVCHAT_OPERATOR_TOKEN)"
+)
+OPERATOR_ACTOR = "operator"
+
+
+def operator_access(request: Request, expected: str | None, env_name: str) -> None:
+    """Operator-only routes: with a token configured, the request must carry it as a bearer token (401 otherwise);
+    without one, only clients on this machine (loopback) are answered (403 otherwise)."""
+    if expected is not None:
+        if not hmac.compare_digest(bearer_token(request).encode(), expected.encode()):
+            raise HTTPException(
+                status.HTTP_401_UNAUTHORIZED,
+                f"send the operator's token ({env_name}) as a bearer token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+    elif not is_loopback(request):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"set {env_name} to reach this route from another machine")
+
+
+def is_loopback(request: Request) -> bool:
+    host = request.client.host if request.client is not None else ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def get_operator(
+    request: Request,
+    state: StateDep,
+    _bearer: Annotated[HTTPAuthorizationCredentials | None, Security(OPERATOR_BEARER)] = None,
+) -> str:
+    """The operator (engine-global settings): ``KVCHAT_OPERATOR_TOKEN``, else a loopback client. Returns the actor."""
+    operator_access(request, state.settings.operator_token, "KVCHAT_OPERATOR_TOKEN")
+    return OPERATOR_ACTOR
+
+
+OperatorDep = Annotated[str, Depends(get_operator)]
+
+
+def operator_audited(action: str) -> Any:
+    """``audited`` for operator routes: one ``admin_audit`` row without a tenant (actor ``operator``)."""
+
+    async def record(request: Request, actor: OperatorDep, state: StateDep) -> AsyncIterator[None]:
+        entry = audit.AuditEntry(None, actor, action, _target(request), audit.OK)
+        async with _recording(request, state, entry):
+            yield
 
     dependency: Callable[..., Any] = record
     return Depends(dependency, scope="function")

@@ -51,6 +51,7 @@ from backend.chat.protocol import (
     UserMessage,
     Welcome,
 )
+from backend.context.builder import prefix_segments
 from backend.core.errors import MessageTooLongError, SessionClosedError, ShuttingDownError, engine_error_code
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
@@ -58,7 +59,7 @@ from backend.db.models import InvalidationReason, Message, MessageRole, MessageS
 from backend.services import sessions as store
 from backend.services.context_service import SYSTEM_ACTOR, ContextService, PreparedPrompt
 from engine.errors import EngineBusy, EngineError
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import ErasureResult, LLMEngine
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, TokenDelta
 from engine.prompt import SegmentedPrompt
 from engine.sampling_params import SamplingParams
@@ -86,9 +87,9 @@ class DrainReport:
 class Turn:
     session_id: str
     tenant_id: str
-    system_prompt: str
     client_msg_id: str
     user_seq: int
+    namespace: str = ""  # the tenant's cache namespace, read with the turn's context (backend/core/namespaces.py)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     parts: list[str] = field(default_factory=list)
     cancelled: bool = False
@@ -119,14 +120,14 @@ class ChatService:
         sessionmaker: async_sessionmaker[AsyncSession],
         engine: LLMEngine,
         hub: SessionHub,
+        context: ContextService,
         reply: ReplyConfig | None = None,
         commit_delay_s: float = 0.0,
         metrics: Metrics | None = None,
-        context: ContextService | None = None,
     ) -> None:
         self._sm = self.sessionmaker = sessionmaker
         self._engine = engine
-        self.context = context or ContextService(sessionmaker, engine)
+        self.context = context
         self.hub = hub
         self.reply = reply or ReplyConfig()
         self._metrics = metrics
@@ -137,6 +138,11 @@ class ChatService:
         self._accepting = True
         self._cutting_off = False  # the drain's grace period is over: a turn that starts now is cut off at once
         self._submitting = 0
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per engine KV block."""
+        return self._engine.info.block_size
 
     @property
     def accepting(self) -> bool:
@@ -207,13 +213,29 @@ class ChatService:
             await self.context.record_release(session_id, freed, reason, actor)
 
     def release_cache(self, session_id: str) -> int:
-        """Free the engine cache only this session uses; returns the blocks freed."""
-        self._locks.pop(session_id, None)  # a closed or deleted session starts no more turns
-        self._submit_locks.pop(session_id, None)
-        self.context.forget(session_id)
+        """Release the engine cache only this session uses (demoted to disk when the engine has a disk tier);
+        returns the blocks that left memory."""
+        self._forget(session_id)
         freed = self._engine.release_session(session_id)
         log.info("released the engine cache of session %s (%d blocks)", session_id, freed)
         return freed
+
+    def erase_cache(self, session_id: str, namespace: str) -> ErasureResult:
+        """Erasure (a deleted session): remove the session's blocks from every tier of the engine."""
+        self._forget(session_id)
+        erased = self._engine.erase_session(session_id, namespace)
+        log.info(
+            "erased the engine cache of session %s (%d memory, %d disk blocks)",
+            session_id,
+            erased.memory_blocks,
+            erased.disk_blocks,
+        )
+        return erased
+
+    def _forget(self, session_id: str) -> None:
+        self._locks.pop(session_id, None)  # a closed or deleted session starts no more turns
+        self._submit_locks.pop(session_id, None)
+        self.context.forget(session_id)
 
     async def close_idle(self, idle_for: timedelta) -> list[str]:
         """Close sessions without activity for ``idle_for`` (and release their engine cache)."""
@@ -238,7 +260,7 @@ class ChatService:
             raise ShuttingDownError("the server is restarting; send the message again once reconnected")
         self._submitting += 1  # NOTE: drain waits for these too, so a turn decided mid-drain is not lost
         try:
-            await self._check_answerable(tenant.system_prompt, frame.text)
+            await self._check_answerable(_prefix_text(tenant), frame.text)
             await self._store_and_start(tenant, session_id, frame, reply_to)
         finally:
             self._submitting -= 1
@@ -268,7 +290,7 @@ class ChatService:
             if duplicate:  # a retry restarts a turn that left no reply (busy, an error): it is owed one again
                 async with self._sm() as db:
                     await store.await_reply(db, message)
-            self._start_turn(Turn(session_id, tenant.id, tenant.system_prompt, frame.client_msg_id, message.seq))
+            self._start_turn(Turn(session_id, tenant.id, frame.client_msg_id, message.seq))
         elif status == before:
             # NOTE: tell the sender no bot reply is coming (a status change was already published to everyone).
             reply_to(SessionStatusFrame(session_id=session_id, status=status.value))
@@ -371,7 +393,8 @@ class ChatService:
             lambda db: self.context.load(db, turn.tenant_id, turn.session_id),
         )
         # NOTE: runs in a worker thread: a long history is tokenized several times while the budget is searched.
-        prepared = await run_cpu(self.context.prepare, ctx, turn.system_prompt, turn.user_seq, self._budget())
+        prepared = await run_cpu(self.context.prepare, ctx, turn.user_seq, self._budget())
+        turn.namespace = prepared.namespace
         turn.topic = Topic(epoch=prepared.epoch, temperature=prepared.temperature)
         await self._invalidate_dropped(turn, prepared)
         return prepared.prompt
@@ -427,7 +450,7 @@ class ChatService:
                 self._engine.abort(turn.request_id)
 
         submitting = asyncio.ensure_future(
-            run_cpu(self._engine.submit, prompt, params, turn.tenant_id, sink, turn.request_id, turn.session_id)
+            run_cpu(self._engine.submit, prompt, params, turn.namespace, sink, turn.request_id, turn.session_id)
         )
         done = False
         try:
@@ -570,6 +593,11 @@ _FLUSH_S = 0.2
 def _bot_answers(status: SessionStatus, text: str) -> bool:
     """Whether a new customer message starts a bot turn (mirrors ``ChatService._after_customer_message``)."""
     return status in (SessionStatus.BOT_ACTIVE, SessionStatus.RESOLVED) and not asks_for_human(text)
+
+
+def _prefix_text(tenant: Tenant) -> str:
+    """The text of the tenant's part 1 (system prompt and policy), as the context builder renders it."""
+    return "".join(s.text for s in prefix_segments(tenant.system_prompt, tenant.policy_text))
 
 
 def _system(system_prompt: str) -> list[ChatMessage]:

@@ -2,8 +2,8 @@
 
 The prompt is assembled in a fixed order:
 
-1. the tenant's system prompt, alone at the start and byte for byte the same in every session, so its KV blocks are
-   shared by all of the tenant's sessions;
+1. the tenant's system prompt and policy text (``prefix_segments``), alone at the start and byte for byte the same in
+   every session and every turn, so their KV blocks are shared by all of the tenant's sessions (and can be pinned);
 2. the session's pinned context (customer facts), then the blocks the history below leaves out but a support chat
    must never lose: identifier blocks (order, account, ticket numbers, e-mails, phones) and clause references;
 3. the history, by the tenant's policy:
@@ -36,7 +36,9 @@ CountTokens = Callable[[SegmentedPrompt], int]
 
 # Block types of the engine request beyond the splitter's (``BlockType``): the stats by block type show them apart.
 SYSTEM_PROMPT = "system_prompt"
+POLICY_TEXT = "policy_text"
 PINNED_CONTEXT = "pinned_context"
+PREFIX_TYPES = frozenset({SYSTEM_PROMPT, POLICY_TEXT})  # part 1: the tenant-wide prefix
 
 CARRIED_TYPES = frozenset({BlockType.IDENTIFIER, BlockType.CLAUSE_REFERENCE})
 CARRIED_HEADER = "Noted earlier in this conversation:"
@@ -72,6 +74,7 @@ class ContextRequest:
     policy: HistoryPolicy
     budget_tokens: int
     pinned_context: str = ""
+    policy_text: str = ""
     policy_budget_tokens: int | None = None  # the ``budget`` policy's own limit (None: only ``budget_tokens``)
     block_ids: Mapping[BlockKey, int] = field(default_factory=dict)
 
@@ -151,10 +154,30 @@ def _render(request: ContextRequest, choice: _Choice) -> SegmentedPrompt:
     return SegmentedPrompt.of(*messages)
 
 
-def _system_segments(request: ContextRequest, carried: Sequence[Block]) -> list[Segment]:
+def prefix_segments(system_prompt: str, policy_text: str) -> list[Segment]:
+    """Part 1: the system prompt, then the policy text; the same bytes for every session and turn of the tenant."""
     segments: list[Segment] = []
-    if request.system_prompt:
-        segments.append(Segment(request.system_prompt, SYSTEM_PROMPT))
+    if system_prompt:
+        segments.append(Segment(system_prompt, SYSTEM_PROMPT))
+    if policy_text:
+        segments.append(Segment((_SEPARATOR if segments else "") + policy_text, POLICY_TEXT))
+    return segments
+
+
+def prefix_prompt(system_prompt: str, policy_text: str) -> SegmentedPrompt | None:
+    """Part 1 alone, as a system message without a generation prompt (what a tenant pins); None when empty.
+
+    NOTE: the tokens of its ``PREFIX_TYPES`` spans are the prefix of every prompt of the tenant; the template's
+    closing tokens after them are not (part 2 may follow in the same system message).
+    """
+    segments = prefix_segments(system_prompt, policy_text)
+    if not segments:
+        return None
+    return SegmentedPrompt.of((MessageRole.SYSTEM.value, segments), add_generation_prompt=False)
+
+
+def _system_segments(request: ContextRequest, carried: Sequence[Block]) -> list[Segment]:
+    segments = prefix_segments(request.system_prompt, request.policy_text)
     if request.pinned_context:
         lead = _SEPARATOR if segments else ""
         segments.append(Segment(lead + request.pinned_context, PINNED_CONTEXT))

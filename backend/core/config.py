@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
+from engine.kv.tier_config import CacheSettings
 
 DEV_SECRET = "dev-insecure-secret-change-me"
 
@@ -31,7 +32,9 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=1, le=65535)
     data_dir: Path = Path("data")
     database_url: str | None = None  # default: SQLite file under data_dir
-    secret_key: str = DEV_SECRET
+    # The server secret the cache namespaces are derived from (backend/core/namespaces.py). Unset in development: a
+    # random one is generated once and kept in ``data_dir`` (0600), so the disk cache survives restarts.
+    secret_key: str | None = None
     log_level: str = "info"
     log_format: Literal["text", "json"] = "text"  # json: one object a line, with request and session ids
     run_migrations_on_start: bool = True
@@ -46,6 +49,16 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_waiting: int = Field(default=256, ge=1)
     model_cache_dir: str | None = None
+    # The KV cache's disk tier (survives restarts) and the cache settings a start begins with; the operator changes
+    # them at runtime through ``/admin/cache/settings`` (until the process stops).
+    kv_disk_cache: bool = True
+    kv_disk_cache_dir: Path | None = None  # default: <data_dir>/kv_cache
+    kv_memory_ttl_s: float = Field(default=60.0, gt=0)
+    kv_disk_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    kv_disk_cache_max_gb: float = Field(default=10.0, gt=0)
+    kv_min_free_space_gb: float = Field(default=5.0, ge=0)
+    kv_eviction_policy: Literal["weighted", "lru"] = "weighted"
+    kv_pin_max_fraction: float = Field(default=0.25, ge=0, le=0.9)
     # Replies
     reply_max_tokens: int = Field(default=256, ge=1)
     reply_temperature: float = Field(default=0.0, ge=0.0, le=2.0)
@@ -66,6 +79,9 @@ class Settings(BaseSettings):
     ws_max_queued_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024)
     # /metrics: when set, scrapers send "Authorization: Bearer <token>"; unset, only loopback clients are answered.
     metrics_token: str | None = None
+    # Operator routes (``/admin/cache/settings``: engine-global cache settings): when set, callers send it as a bearer
+    # token; unset, only loopback clients are answered. Never a tenant's key.
+    operator_token: str | None = None
     max_request_bytes: int = Field(default=1024 * 1024, ge=1024)  # REST bodies; larger ones get a 413
     allowed_origins: list[str] = ["*"]
     # First start: the default tenant's keys. Unset → generated and printed once.
@@ -75,7 +91,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _refuse_default_secrets(self) -> Self:
         # NOTE: a deployment that forgot to set its secret must fail loudly at start, not run with a public one.
-        if self.env != Environment.DEVELOPMENT and self.secret_key == DEV_SECRET:
+        if self.env != Environment.DEVELOPMENT and self.secret_key in (None, "", DEV_SECRET):
             raise ValueError(f"KVCHAT_SECRET_KEY must be set to a non-default value when KVCHAT_ENV={self.env.value}")
         return self
 
@@ -97,6 +113,15 @@ class Settings(BaseSettings):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_waiting=self.max_waiting,
             cache_dir=self.model_cache_dir,
+            disk_cache_dir=str(self.kv_disk_cache_dir or self.data_dir / "kv_cache") if self.kv_disk_cache else None,
+            cache_settings=CacheSettings(
+                memory_ttl_s=self.kv_memory_ttl_s,
+                disk_ttl_s=self.kv_disk_ttl_s,
+                disk_cache_max_gb=self.kv_disk_cache_max_gb,
+                min_free_space_gb=self.kv_min_free_space_gb,
+                eviction_policy=self.kv_eviction_policy,
+                pin_max_fraction=self.kv_pin_max_fraction,
+            ),
         )
 
     @cached_property

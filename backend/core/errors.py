@@ -10,7 +10,10 @@
     ├── KeyNotFoundError           key_not_found      404    —
     ├── RuleNotFoundError          rule_not_found     404    —
     ├── RuleReadOnlyError          rule_read_only     403    —  (a global rule: shadow it by name instead)
-    └── RuleExistsError            rule_exists        409    —
+    ├── RuleExistsError            rule_exists        409    —
+    ├── InvalidCacheSettingsError  invalid_cache_settings 422 —  (the engine or the tenant's scope refused a value)
+    ├── PinRefusedError            pin_refused        409    —  (the prefix is over the operator's pinned share)
+    └── NamespaceSharedError       namespace_shared   409    —  (a whole-namespace action on the public namespace)
 
 Context-layer errors (``backend.context.errors``: ``invalid_rule``, ``invalid_settings``, ``unknown_backend``: 422;
 ``backend_unavailable``: 503) are mapped by the HTTP boundary too, with their own codes.
@@ -100,6 +103,21 @@ class RuleReadOnlyError(BackendError):
 
 class RuleExistsError(BackendError):
     code = "rule_exists"
+    status = 409
+
+
+class InvalidCacheSettingsError(BackendError):
+    code = "invalid_cache_settings"
+    status = 422
+
+
+class PinRefusedError(BackendError):
+    code = "pin_refused"
+    status = 409
+
+
+class NamespaceSharedError(BackendError):
+    code = "namespace_shared"
     status = 409
 
 

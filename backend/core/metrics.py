@@ -21,6 +21,7 @@ from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from engine.kv.cache_stats import CacheStats
+from engine.kv.tiers import TierStats
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestStats
 
@@ -56,6 +57,8 @@ class EngineCollector(Collector):
         by_tier.add_metric(["memory", "cached"], s.kv.num_cached_blocks * block_bytes)
         by_tier.add_metric(["memory", "capacity"], s.kv.num_blocks * block_bytes)
         yield by_tier
+        held = s.kv.num_used_blocks + s.kv.num_evictable_blocks
+        yield from _tiers(s.tiers, held * block_bytes)
         yield _counter(
             "kvchat:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.kv.num_query_tokens
         )
@@ -65,6 +68,40 @@ class EngineCollector(Collector):
         yield _counter("kvchat:request_success", "Requests finished.", s.requests_finished)
         yield _counter("kvchat:engine_steps", "Engine steps (one batch each).", s.steps)
         yield from _by_block_type(s.cache)
+
+
+def _tiers(t: TierStats, memory_bytes: int) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """KV blocks by tier, bytes by tier, and the traffic between tiers.
+
+    NOTE: the memory states overlap (a block a request holds may be cached and pinned too); ``kv_tier_bytes`` counts
+    each block once: memory is what requests hold plus the free blocks kept for reuse.
+    """
+    blocks = GaugeMetricFamily(
+        "kvchat:kv_blocks",
+        "KV blocks per tier and state (memory: used by requests, cached = reusable, pinned; disk: stored).",
+        labels=["tier", "state"],
+    )
+    blocks.add_metric(["memory", "used"], t.memory_blocks_used)
+    blocks.add_metric(["memory", "cached"], t.memory_blocks_cached)
+    blocks.add_metric(["memory", "pinned"], t.pinned_blocks)
+    blocks.add_metric(["disk", "stored"], t.disk_blocks)
+    yield blocks
+    memory = GaugeMetricFamily("kvchat:kv_tier_bytes", "KV bytes held per tier.", labels=["tier"])
+    memory.add_metric(["memory"], memory_bytes)
+    memory.add_metric(["disk"], t.disk_bytes)
+    yield memory
+    yield _counter("kvchat:kv_disk_writes", "Blocks written to the disk tier.", t.disk_writes)
+    yield _counter(
+        "kvchat:kv_disk_writes_refused",
+        "Disk-tier writes refused (free-space guard, size cap, full write queue).",
+        t.disk_writes_refused,
+    )
+    yield _counter(
+        "kvchat:kv_disk_quarantined", "Disk-tier files that failed a check on load (quarantined).", t.disk_quarantined
+    )
+    yield _counter("kvchat:kv_promoted_blocks", "Blocks loaded from disk back into memory.", t.promoted_blocks)
+    yield _counter("kvchat:kv_demoted_blocks", "Idle blocks moved from memory to disk.", t.demoted_blocks)
+    yield _counter("kvchat:kv_expired_blocks", "Blocks dropped when their tier's TTL passed.", t.expired_blocks)
 
 
 def _by_block_type(cache: CacheStats) -> Iterator[CounterMetricFamily]:

@@ -9,6 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from backend.chat.service import ChatService
 from backend.core.config import Settings
 from backend.core.metrics import Metrics
+from backend.core.namespaces import Namespaces
 from engine.llm_engine import LLMEngine
 
 
@@ -20,3 +21,4 @@ class AppState:
     engine: LLMEngine
     chat: ChatService
     metrics: Metrics
+    namespaces: Namespaces  # every engine call's cache namespace comes from here (backend/core/namespaces.py)

@@ -18,6 +18,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -87,6 +88,8 @@ class InvalidationReason(StrEnum):
     SESSION_CLOSED = "session_closed"
     SESSION_TIMED_OUT = "session_timed_out"
     ADMIN_FLUSH = "admin_flush"  # an admin flushed a session's cache, or the whole tenant's
+    TENANT_PROMPT_EDITED = "tenant_prompt_edited"  # the system prompt or policy text (every prompt's part 1) changed
+    SESSION_ERASED = "session_erased"  # an admin deleted the session: its blocks left every tier
 
 
 class Tenant(Base):
@@ -95,6 +98,12 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     system_prompt: Mapped[str] = mapped_column(Text, default="")
+    # Rendered right after the system prompt: together they are part 1 of every prompt (backend/context/builder.py).
+    policy_text: Mapped[str] = mapped_column(Text, default="", server_default="")
+    # "private" (the tenant's own cache namespace) or "public" (the shared one): backend/core/namespaces.py.
+    cache_scope: Mapped[str] = mapped_column(String(16), default="private", server_default="private")
+    # Keep the system + policy prefix pinned in the engine's memory tier (backend/services/cache_admin.py).
+    pin_prefix: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -244,15 +253,19 @@ class InvalidationEvent(Base):
 
 
 class AdminAudit(Base):
-    """One admin write action: who (the admin key's prefix), what, on which target, when, and how it ended."""
+    """One admin write action: who (the admin key's prefix), what, on which target, when, and how it ended.
+
+    ``tenant_id`` is None for an operator action (engine-global settings), which belongs to no tenant.
+    """
 
     __tablename__ = "admin_audit"
     __table_args__ = (Index("ix_admin_audit_tenant_at", "tenant_id", "at"),)
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
-    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str | None] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=True)
     actor: Mapped[str] = mapped_column(String(200))
     action: Mapped[str] = mapped_column(String(64))
     target: Mapped[str | None] = mapped_column(String(200), nullable=True)
     result: Mapped[str] = mapped_column(String(64))  # "ok", or the error's stable code
+    detail: Mapped[str | None] = mapped_column(String(500), nullable=True)  # what it did, when a route says
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

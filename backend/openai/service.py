@@ -1,7 +1,8 @@
 """The service behind ``/v1``: request → engine prompt and ``SamplingParams``, then a completion or an SSE stream.
 
 Requests are stateless (no chat-session rows) but run in the tenant's cache namespace — the one the websocket chat
-uses — so a client that re-sends a growing conversation gets prefix hits, and two tenants never share cached tokens.
+uses — so a client that re-sends a growing conversation gets prefix hits, and two tenants never share cached tokens
+(unless both opted into the public namespace).
 
 The served model id is ``"kvchat/" + <the engine's model name>``: the name the engine was configured with
 (``smollm2`` for the default model) or, for a path, its last component without ``.gguf``. Requests may name it, or
@@ -183,7 +184,7 @@ class ChatCompletions:
         self.keepalive_s = keepalive_s
         self.disconnect_poll_s = disconnect_poll_s
 
-    async def start(self, req: s.ChatCompletionRequest, namespace: str) -> tuple[_Pending, _Meta]:
+    async def start(self, req: s.ChatCompletionRequest, tenant_id: str, namespace: str) -> tuple[_Pending, _Meta]:
         """Validate, tokenize and submit. Raises ``OpenAIError`` / ``EngineError`` before any byte is sent."""
         check_model(self.engine, req.model)
         check_supported(req)
@@ -202,7 +203,7 @@ class ChatCompletions:
             fingerprint="fp_" + self.engine.info.fingerprint[:16],
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
-        pending = _Pending(self.engine, meta.id, self.metrics.reply_timer(namespace) if self.metrics else None)
+        pending = _Pending(self.engine, meta.id, self.metrics.reply_timer(tenant_id) if self.metrics else None)
         self.engine.submit(prompt, params, namespace, pending.sink, request_id=meta.id)
         return pending, meta
 

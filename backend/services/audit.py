@@ -20,11 +20,12 @@ UNEXPECTED = "internal_error"
 
 @dataclass(frozen=True, slots=True)
 class AuditEntry:
-    tenant_id: str
-    actor: str  # the admin key's display prefix
+    tenant_id: str | None  # None: an operator action (engine-global), which belongs to no tenant
+    actor: str  # the admin key's display prefix, or "operator"
     action: str  # e.g. "session.flush"
     target: str | None  # the path's ids (a session, a rule, a key), None for the tenant itself
     result: str  # OK, or the error's stable code
+    detail: str | None = None  # what the action did, when its route says (e.g. the blocks an erasure removed)
 
 
 def result_of(exc: BaseException) -> str:
@@ -42,18 +43,16 @@ async def record(sessionmaker: async_sessionmaker[AsyncSession], entry: AuditEnt
                 action=entry.action,
                 target=entry.target,
                 result=entry.result,
+                detail=entry.detail,
             )
         )
         await db.commit()
 
 
-async def list_entries(db: AsyncSession, tenant_id: str, limit: int, offset: int) -> list[AdminAudit]:
-    """The tenant's audit rows, newest first."""
+async def list_entries(db: AsyncSession, tenant_id: str | None, limit: int, offset: int) -> list[AdminAudit]:
+    """The tenant's audit rows (``None``: the operator's), newest first."""
+    owner = AdminAudit.tenant_id.is_(None) if tenant_id is None else AdminAudit.tenant_id == tenant_id
     rows = await db.execute(
-        select(AdminAudit)
-        .where(AdminAudit.tenant_id == tenant_id)
-        .order_by(AdminAudit.at.desc(), AdminAudit.id.desc())
-        .limit(limit)
-        .offset(offset)
+        select(AdminAudit).where(owner).order_by(AdminAudit.at.desc(), AdminAudit.id.desc()).limit(limit).offset(offset)
     )
     return list(rows.scalars())

@@ -8,8 +8,12 @@
 - ``invalidate_dropped``: when the prompt drops an epoch the previous turn's prompt had, free the session's cached
   blocks from the first token that changed (``LLMEngine.invalidate``) and store the event;
 - ``pinned_context_edited``: after an admin edited the session's pinned context, free its cached blocks from the
-  end of the tenant's system prompt on (which stays: every session shares it) and store the event;
+  end of the tenant's system prompt and policy text on (which stay: every session shares them) and store the event;
 - ``record_release``: store a closed session's cache release as an invalidation event.
+
+Every engine call carries the session's cache namespace, derived on the server from the tenant
+(``backend/core/namespaces.py``); ``load`` reads the tenant's system prompt, policy text and cache scope each turn, so
+an admin's edit reaches the very next turn of every open session.
 
 Each database step is one short session; splitting, similarity and tokenizing run in worker threads.
 """
@@ -25,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.context.blocks import Block, BlockKey
 from backend.context.builder import (
-    SYSTEM_PROMPT,
+    PREFIX_TYPES,
     BuiltContext,
     ContextRequest,
     DropReason,
@@ -36,6 +40,8 @@ from backend.context.rules import RuleSet
 from backend.context.similarity import SimilarityBackend, make_backend
 from backend.context.splitter import Splitter
 from backend.context.topic import TopicState, TopicTracker, TopicUpdate, identifier_keys
+from backend.core.errors import TenantNotFoundError
+from backend.core.namespaces import Namespaces
 from backend.core.offload import run_cpu
 from backend.db.models import (
     ChatSession,
@@ -44,6 +50,7 @@ from backend.db.models import (
     MessageRole,
     MessageStatus,
     SemanticBlock,
+    Tenant,
 )
 from backend.services import context_store
 from backend.services import sessions as store
@@ -63,6 +70,9 @@ class SessionContext:
 
     tenant_id: str
     session_id: str
+    namespace: str  # the engine cache namespace of the tenant (backend/core/namespaces.py)
+    system_prompt: str
+    policy_text: str
     epoch: int  # the session's current topic epoch
     temperature: float | None
     pinned_context: str
@@ -79,7 +89,8 @@ class SessionContext:
 class PreparedPrompt:
     built: BuiltContext
     token_ids: list[int]
-    context_from: int  # the first token after the tenant's system prompt: where the session's own context starts
+    context_from: int  # the first token after the tenant's system prompt and policy: the session's own context
+    namespace: str
     epoch: int  # the topic of the message the turn answers
     temperature: float | None
 
@@ -143,10 +154,12 @@ class ContextService:
         self,
         sessionmaker: async_sessionmaker[AsyncSession],
         engine: LLMEngine,
+        namespaces: Namespaces,
         policy_budget_tokens: int = DEFAULT_POLICY_BUDGET_TOKENS,
     ) -> None:
         self._sm = sessionmaker
         self._engine = engine
+        self.namespaces = namespaces
         self._rules = RuleSetCache()
         self._policy_budget_tokens = policy_budget_tokens
         # NOTE: in memory: after a restart the first turn of a session has nothing to compare with, and a drop then
@@ -164,6 +177,8 @@ class ContextService:
             await context_store.save_blocks(db, session_id, message.id, blocks)
             await context_store.record_topic(db, session_id, message.seq, update)
             await db.commit()
+        # NOTE: an eviction hint: when memory runs short, the engine lets a cold topic's blocks go first.
+        self._engine.set_session_temperature(session_id, update.temperature)
         return update
 
     async def observe_reply(self, tenant_id: str, session_id: str, message: Message, epoch: int) -> None:
@@ -214,12 +229,16 @@ class ContextService:
     async def load(self, db: AsyncSession, tenant_id: str, session_id: str) -> SessionContext:
         """Everything a turn needs from the database (read only, so safe to retry)."""
         session = await store.get_session(db, tenant_id, session_id)
+        tenant = await _tenant(db, tenant_id)
         messages = await store.messages_after(db, session_id, 0)
         history = await context_store.topic_history(db, session_id)
         blocks = await context_store.load_blocks(db, session_id)
         return SessionContext(
             tenant_id,
             session_id,
+            self.namespaces.of(tenant_id, tenant.cache_scope),
+            tenant.system_prompt,
+            tenant.policy_text,
             session.topic_epoch,
             session.semantic_temperature,
             session.pinned_context,
@@ -232,7 +251,7 @@ class ContextService:
             await self._rules.get(db, tenant_id),
         )
 
-    def prepare(self, ctx: SessionContext, system_prompt: str, user_seq: int, budget: int) -> PreparedPrompt:
+    def prepare(self, ctx: SessionContext, user_seq: int, budget: int) -> PreparedPrompt:
         """The prompt answering message ``user_seq``, and its token ids. Runs in a worker thread (it tokenizes)."""
         by_seq: dict[int, list[Block]] = {}
         for block in ctx.blocks:
@@ -249,12 +268,13 @@ class ContextService:
         )
         epoch = ctx.epochs.get(user_seq, ctx.epoch)
         request = ContextRequest(
-            system_prompt,
+            ctx.system_prompt,
             history,
             epoch,
             ctx.settings.history_policy,
             budget,
             pinned_context=ctx.pinned_context,
+            policy_text=ctx.policy_text,
             policy_budget_tokens=self._policy_budget_tokens,
             block_ids=ctx.block_ids,
         )
@@ -266,9 +286,9 @@ class ContextService:
 
         built = build_context(request, count)
         tokenized = counted[0][1] if counted[0][0] is built.prompt else self._engine.tokenize_prompt(built.prompt)
-        context_from = max((s.end for s in tokenized.spans if s.block_type == SYSTEM_PROMPT), default=0)
+        context_from = max((s.end for s in tokenized.spans if s.block_type in PREFIX_TYPES), default=0)
         temperature = ctx.temperatures.get(user_seq, ctx.temperature)
-        return PreparedPrompt(built, tokenized.token_ids, context_from, epoch, temperature)
+        return PreparedPrompt(built, tokenized.token_ids, context_from, ctx.namespace, epoch, temperature)
 
     # ------------------------------------------------------------------ invalidation
 
@@ -294,8 +314,8 @@ class ContextService:
     async def pinned_context_edited(self, tenant_id: str, session_id: str, actor: str) -> InvalidationResult:
         """Free the session's cached blocks that depend on its pinned context; store the event.
 
-        NOTE: from the first token after the tenant's system prompt, where the pinned context starts (or, when it
-        was empty, is inserted): the system prompt's blocks stay, shared by every session. Without a prompt of this
+        NOTE: from the first token after the tenant's system prompt and policy text, where the pinned context starts
+        (or, when it was empty, is inserted): part 1's blocks stay, shared by every session. Without a prompt of this
         session in memory (a restart), the session's whole chain goes, save what other sessions share.
         """
         last = self._last.get(session_id)
@@ -306,10 +326,11 @@ class ContextService:
         self, tenant_id: str, session_id: str, from_position: int, reason: InvalidationReason, actor: str
     ) -> InvalidationResult:
         """Free the session's cached blocks from token ``from_position`` on (and their dependents); store the event."""
-        result = self._engine.invalidate(
-            tenant_id, session=session_id, from_position=from_position, reason=reason.value
-        )
         async with self._sm() as db:
+            namespace = await self.namespace_of(db, tenant_id)
+            result = self._engine.invalidate(
+                namespace, session=session_id, from_position=from_position, reason=reason.value
+            )
             await context_store.record_invalidation(
                 db, tenant_id, session_id, reason, actor, result.blocks_freed, result.tokens_freed
             )
@@ -331,11 +352,22 @@ class ContextService:
             )
             await db.commit()
 
+    async def namespace_of(self, db: AsyncSession, tenant_id: str) -> str:
+        """The tenant's cache namespace as its stored ``cache_scope`` says now."""
+        return self.namespaces.of(tenant_id, (await _tenant(db, tenant_id)).cache_scope)
+
     def forget(self, session_id: str) -> None:
         self._last.pop(session_id, None)
 
     def last_prompt(self, session_id: str) -> LastPrompt | None:
         return self._last.get(session_id)
+
+
+async def _tenant(db: AsyncSession, tenant_id: str) -> Tenant:
+    tenant = await db.get(Tenant, tenant_id, populate_existing=True)
+    if tenant is None:
+        raise TenantNotFoundError(f"no tenant {tenant_id}")
+    return tenant
 
 
 def _in_order(messages: Sequence[Message]) -> list[Message]:

@@ -16,10 +16,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from backend.chat.service import ChatService
 from backend.context.blocks import Block
 from backend.db.models import ChatSession, InvalidationEvent, Message, SessionStatus, TopicHistory
-from backend.services import context_store
+from backend.services import cache_admin, context_store
 from backend.services import sessions as store
 from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import ErasureResult, LLMEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +121,16 @@ async def set_status(
     return session
 
 
-async def delete_session(db: AsyncSession, chat: ChatService, tenant_id: str, session_id: str) -> None:
-    """Erase the session: stop its reply in flight, delete its rows (messages cascade), release its engine cache."""
+async def delete_session(db: AsyncSession, chat: ChatService, tenant_id: str, session_id: str) -> ErasureResult:
+    """Erase the session: stop its reply in flight, delete its rows (messages cascade), remove its cached KV from
+    every tier of the engine (an ``invalidation_events`` row, without the session, keeps the count)."""
     await store.get_session(db, tenant_id, session_id)
+    namespace = await chat.context.namespace_of(db, tenant_id)
     chat.cancel(session_id, None)
     await store.delete_session(db, tenant_id, session_id)
-    chat.release_cache(session_id)
+    erased = chat.erase_cache(session_id, namespace)
+    await cache_admin.record_erasure(db, tenant_id, erased, chat.block_size)
+    return erased
 
 
 @dataclass(frozen=True, slots=True)

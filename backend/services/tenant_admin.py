@@ -1,4 +1,4 @@
-"""What a tenant's admin changes of its own: system prompt and keys, splitter rules and context settings.
+"""What a tenant's admin changes of its own: system prompt, policy text and keys, splitter rules and context settings.
 
 A tenant reads the global rules (``tenant_id`` NULL) and its own; it writes only its own. A tenant rule named like a
 global one shadows it (``context_store.load_rules``), which is how a default is switched off or changed. Every rule
@@ -17,10 +17,13 @@ from backend.context.blocks import BlockType
 from backend.context.rules import Rule, compile_rule
 from backend.context.topic import TopicSettings
 from backend.core.errors import RuleExistsError, RuleNotFoundError, RuleReadOnlyError
-from backend.db.models import ApiKey, HistoryPolicy, KeyKind, SplitterRule, Tenant
-from backend.services import context_store, tenants
+from backend.core.namespaces import Namespaces
+from backend.db.models import ApiKey, HistoryPolicy, KeyKind, SplitterRule
+from backend.services import cache_admin, context_store, tenants
+from backend.services.cache_admin import PrefixEdit
 from backend.services.context_store import ContextSettings
 from backend.services.tenants import IssuedKey
+from engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,11 +38,23 @@ class SettingsChange:
     similarity_backend: str
 
 
-async def set_system_prompt(db: AsyncSession, tenant_id: str, system_prompt: str) -> Tenant:
-    """Replace the system prompt every session of the tenant starts with (the next turns use it)."""
+async def set_system_prompt(
+    db: AsyncSession, engine: LLMEngine, namespaces: Namespaces, tenant_id: str, system_prompt: str
+) -> PrefixEdit:
+    """Replace the system prompt every session of the tenant starts with (the next turn of every session uses it);
+    the cached blocks that depended on the old one are freed, and the new prefix is pinned when the tenant pins."""
     tenant = await tenants.set_system_prompt(db, tenant_id, system_prompt)
     await db.commit()
-    return tenant
+    return await cache_admin.prefix_edited(db, engine, namespaces, tenant)
+
+
+async def set_policy_text(
+    db: AsyncSession, engine: LLMEngine, namespaces: Namespaces, tenant_id: str, policy_text: str
+) -> PrefixEdit:
+    """Replace the policy text rendered right after the system prompt; the cache follows as for the system prompt."""
+    tenant = await tenants.set_policy_text(db, tenant_id, policy_text)
+    await db.commit()
+    return await cache_admin.prefix_edited(db, engine, namespaces, tenant)
 
 
 async def rotate_key(db: AsyncSession, tenant_id: str, kind: KeyKind) -> IssuedKey:

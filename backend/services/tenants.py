@@ -104,6 +104,13 @@ async def set_system_prompt(db: AsyncSession, tenant_id: str, system_prompt: str
     return tenant
 
 
+async def set_policy_text(db: AsyncSession, tenant_id: str, policy_text: str) -> Tenant:
+    tenant = await get_tenant(db, tenant_id)
+    tenant.policy_text = policy_text
+    await db.flush()
+    return tenant
+
+
 async def issue_key(db: AsyncSession, tenant_id: str, kind: KeyKind) -> IssuedKey:
     """Generate a key for the tenant (flushed; the caller commits)."""
     key = generate_key(kind)

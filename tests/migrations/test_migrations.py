@@ -1,5 +1,5 @@
-"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002 and 0004 up and down
-alone."""
+"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002, 0004 and 0005 up and
+down alone."""
 
 from __future__ import annotations
 
@@ -124,6 +124,35 @@ def _admin_audit_up_and_down(url: str) -> None:
     assert asyncio.run(_execute(url, "SELECT count(*) FROM admin_audit")) == [(0,)]
 
 
+def _tenant_cache_up_and_down(url: str) -> None:
+    """0004 → 0005 with a tenant and an audit row stored: the tenant gets the defaults (no policy text, private scope,
+    no pin); an operator row (no tenant) can be written; back to 0004 the operator rows go and the rest stays."""
+    migrate.upgrade(url, "0004")
+    asyncio.run(
+        _execute(
+            url,
+            "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', 'Be kind.', '2026-01-01')",
+        )
+    )
+    audit = "INSERT INTO admin_audit (tenant_id, actor, action, target, result, at) VALUES "
+    asyncio.run(_execute(url, audit + "('t1', 'kvc_admin_ab', 'session.flush', 's1', 'ok', '2026-01-01')"))
+    migrate.upgrade(url, "0005")
+    assert asyncio.run(_execute(url, "SELECT system_prompt, policy_text, cache_scope, pin_prefix FROM tenants")) == [
+        ("Be kind.", "", "private", False)
+    ]
+    asyncio.run(_execute(url, audit + "(NULL, 'operator', 'cache.settings', NULL, 'ok', '2026-01-02')"))
+    asyncio.run(_execute(url, "UPDATE admin_audit SET detail = 'memory_ttl_s=30.0' WHERE actor = 'operator'"))
+    assert asyncio.run(_execute(url, "SELECT tenant_id, action, detail FROM admin_audit ORDER BY id")) == [
+        ("t1", "session.flush", None),
+        (None, "cache.settings", "memory_ttl_s=30.0"),
+    ]
+    migrate.downgrade(url, "0004")
+    assert asyncio.run(_execute(url, "SELECT tenant_id, action FROM admin_audit")) == [("t1", "session.flush")]
+    assert asyncio.run(_execute(url, "SELECT id, system_prompt FROM tenants")) == [("t1", "Be kind.")]
+    migrate.upgrade(url, "0005")
+    assert asyncio.run(_execute(url, "SELECT policy_text, cache_scope FROM tenants")) == [("", "private")]
+
+
 @pytest.mark.postgres
 def test_postgres_upgrade_to_head_and_back(pg_empty_url: str) -> None:
     _roundtrip(pg_empty_url)
@@ -149,3 +178,12 @@ def test_postgres_admin_audit_revision_up_and_down(pg_empty_url: str) -> None:
 
 def test_sqlite_admin_audit_revision_up_and_down(tmp_path: Path) -> None:
     _admin_audit_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+
+
+@pytest.mark.postgres
+def test_postgres_tenant_cache_revision_up_and_down(pg_empty_url: str) -> None:
+    _tenant_cache_up_and_down(pg_empty_url)
+
+
+def test_sqlite_tenant_cache_revision_up_and_down(tmp_path: Path) -> None:
+    _tenant_cache_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")

@@ -22,11 +22,12 @@ class AuditOut(BaseModel):
     action: str
     target: str | None
     result: str  # "ok" or the error's code
+    detail: str | None = None  # what it did, where the action says (e.g. an erasure's blocks by tier)
     at: datetime
 
     @classmethod
     def of(cls, a: AdminAudit) -> AuditOut:
-        return cls(id=a.id, actor=a.actor, action=a.action, target=a.target, result=a.result, at=a.at)
+        return cls(id=a.id, actor=a.actor, action=a.action, target=a.target, result=a.result, detail=a.detail, at=a.at)
 
 
 @router.get("", response_model=list[AuditOut])

@@ -10,11 +10,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Query, Response, status
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
-from backend.api.deps import AdminDep, DbDep, StateDep, audited
+from backend.api.deps import AdminDep, DbDep, StateDep, audit_note, audited
 from backend.chat.protocol import MessageOut
 from backend.chat.service import message_out
 from backend.context.blocks import Block
@@ -74,6 +74,13 @@ class PinnedContextOut(BaseModel):
     blocks_freed: int  # cached blocks freed because they depended on the old pinned context
     tokens_freed: int
     deferred: int  # blocks a reply in flight holds: freed when it ends
+
+
+class ErasureOut(BaseModel):
+    """What a session's erasure removed from the engine's cache, by tier."""
+
+    memory_blocks: int = Field(description="blocks freed from memory (or when the reply holding them ends)")
+    disk_blocks: int = Field(description="blocks removed from the disk tier")
 
 
 class FlushOut(BaseModel):
@@ -207,7 +214,7 @@ async def session_detail(session_id: SessionIdPath, tenant: AdminDep, db: DbDep,
 @router.post("/{session_id}/flush", response_model=FlushOut, dependencies=[audited("session.flush")])
 async def flush_session(session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep) -> FlushOut:
     """Free the session's cached KV blocks (what other sessions share stays); the session stays open."""
-    return FlushOut.of(await cache_admin.flush_session(db, state.engine, tenant.id, session_id))
+    return FlushOut.of(await cache_admin.flush_session(db, state.engine, state.namespaces, tenant, session_id))
 
 
 @router.post("/{session_id}/status", response_model=SessionOut, dependencies=[audited("session.status")])
@@ -234,11 +241,15 @@ async def set_pinned_context(
     )
 
 
-@router.delete("/{session_id}", status_code=status.HTTP_204_NO_CONTENT, dependencies=[audited("session.delete")])
-async def delete_session(session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep) -> Response:
-    """Erase the session: its messages and its cached KV."""
-    await session_admin.delete_session(db, state.chat, tenant.id, session_id)
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/{session_id}", response_model=ErasureOut, dependencies=[audited("session.delete")])
+async def delete_session(
+    session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep, request: Request
+) -> ErasureOut:
+    """Erase the session: its messages, blocks and history, and its cached KV on every tier (memory and disk)."""
+    erased = await session_admin.delete_session(db, state.chat, tenant.id, session_id)
+    out = ErasureOut(memory_blocks=erased.memory_blocks, disk_blocks=erased.disk_blocks)
+    audit_note(request, f"erased {out.memory_blocks} memory and {out.disk_blocks} disk blocks")
+    return out
 
 
 @router.get("/{session_id}/transcript", response_model=None)

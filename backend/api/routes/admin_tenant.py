@@ -1,19 +1,23 @@
-"""Admin: the tenant's own settings and keys (system prompt; rotate the chat token or the admin key), its
-context-layer settings, and a flush of its whole prefix cache."""
+"""Admin: the tenant's own settings and keys (system prompt and policy text; rotate the chat token or the admin key),
+its context-layer settings, its cache settings (scope, prefix pinning), and a flush of its whole prefix cache.
+
+The engine-global cache settings (TTLs, disk cap, eviction) are the operator's: ``admin_cache.py``."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.api.deps import AdminDep, DbDep, StateDep, audited
+from backend.api.deps import AdminDep, DbDep, StateDep, audit_note, audited
 from backend.api.routes.admin_sessions import FlushOut
 from backend.core.limits import SafeText
+from backend.core.namespaces import CacheScope
 from backend.db.models import ApiKey, HistoryPolicy, KeyKind, Tenant
 from backend.services import cache_admin, tenant_admin, tenants
+from backend.services.cache_admin import PrefixEdit, TenantCache, TenantCacheChange
 from backend.services.context_store import ContextSettings
 from backend.services.tenant_admin import SettingsChange
 
@@ -24,17 +28,67 @@ class TenantOut(BaseModel):
     id: str
     name: str
     system_prompt: str
+    policy_text: str = Field(description="rendered right after the system prompt: together, every prompt's part 1")
+    cache_scope: CacheScope
+    pin_prefix: bool
     created_at: datetime
 
     @classmethod
     def of(cls, t: Tenant) -> TenantOut:
-        return cls(id=t.id, name=t.name, system_prompt=t.system_prompt, created_at=t.created_at)
+        return cls(
+            id=t.id,
+            name=t.name,
+            system_prompt=t.system_prompt,
+            policy_text=t.policy_text,
+            cache_scope=CacheScope(t.cache_scope),
+            pin_prefix=t.pin_prefix,
+            created_at=t.created_at,
+        )
 
 
 class SystemPromptIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     system_prompt: Annotated[SafeText, Field(max_length=100_000)]
+
+
+class PolicyTextIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    policy_text: Annotated[SafeText, Field(max_length=100_000)]
+
+
+class TenantCacheIO(BaseModel):
+    """The tenant's own cache settings (``PUT`` replaces both)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cache_scope: CacheScope = Field(
+        description="private: the tenant's own cache namespace; public: the namespace shared by every tenant that "
+        "opts in (their identical prompts share cached blocks, and can tell by timing what the others have cached)"
+    )
+    pin_prefix: bool = Field(
+        description="keep the system prompt + policy text pinned in memory (needs cache_scope private; bounded by "
+        "the operator's pinned share)"
+    )
+
+    def change(self) -> TenantCacheChange:
+        return TenantCacheChange(self.cache_scope, self.pin_prefix)
+
+
+class TenantCacheOut(TenantCacheIO):
+    pinned_blocks: int | None = Field(description="blocks this request pinned (None: nothing pinned by it)")
+    pinned_cached: int | None = Field(description="of those, cached now; the rest are pinned once computed")
+
+    @classmethod
+    def of(cls, c: TenantCache) -> TenantCacheOut:
+        p = c.pinned
+        return cls(
+            cache_scope=c.cache_scope,
+            pin_prefix=c.pin_prefix,
+            pinned_blocks=p.blocks if p else None,
+            pinned_cached=p.cached if p else None,
+        )
 
 
 class KeyOut(BaseModel):
@@ -103,9 +157,48 @@ async def get_tenant(tenant: AdminDep) -> TenantOut:
 
 
 @router.put("/system-prompt", response_model=TenantOut, dependencies=[audited("tenant.system_prompt")])
-async def set_system_prompt(body: SystemPromptIn, tenant: AdminDep, db: DbDep) -> TenantOut:
-    """Replace the system prompt every session of the tenant starts with (the next turns use it)."""
-    return TenantOut.of(await tenant_admin.set_system_prompt(db, tenant.id, body.system_prompt))
+async def set_system_prompt(
+    body: SystemPromptIn, tenant: AdminDep, db: DbDep, state: StateDep, request: Request
+) -> TenantOut:
+    """Replace the system prompt every session of the tenant starts with (the next turn of every session uses it).
+
+    The tenant's cached blocks all depend on it and are freed (a private namespace); a pinned prefix is pinned anew.
+    """
+    edit = await tenant_admin.set_system_prompt(db, state.engine, state.namespaces, tenant.id, body.system_prompt)
+    return _edited(request, edit)
+
+
+@router.put("/policy-text", response_model=TenantOut, dependencies=[audited("tenant.policy_text")])
+async def set_policy_text(
+    body: PolicyTextIn, tenant: AdminDep, db: DbDep, state: StateDep, request: Request
+) -> TenantOut:
+    """Replace the policy text rendered right after the system prompt in every prompt (the next turn uses it); the
+    cache follows as for the system prompt."""
+    edit = await tenant_admin.set_policy_text(db, state.engine, state.namespaces, tenant.id, body.policy_text)
+    return _edited(request, edit)
+
+
+def _edited(request: Request, edit: PrefixEdit) -> TenantOut:
+    audit_note(request, edit.describe())
+    return TenantOut.of(edit.tenant)
+
+
+@router.get("/cache", response_model=TenantCacheOut)
+async def get_tenant_cache(tenant: AdminDep, db: DbDep) -> TenantCacheOut:
+    return TenantCacheOut.of(await cache_admin.tenant_cache(db, tenant.id))
+
+
+@router.put(
+    "/cache",
+    response_model=TenantCacheOut,
+    dependencies=[audited("tenant.cache")],
+    responses={409: {"description": "pin_refused: the prefix is over the operator's pinned share"}},
+)
+async def set_tenant_cache(body: TenantCacheIO, tenant: AdminDep, db: DbDep, state: StateDep) -> TenantCacheOut:
+    """Choose the tenant's cache namespace (private, or the shared public one) and whether its prefix is pinned."""
+    return TenantCacheOut.of(
+        await cache_admin.set_tenant_cache(db, state.engine, state.namespaces, tenant.id, body.change())
+    )
 
 
 @router.get("/keys", response_model=list[KeyOut])
@@ -138,7 +231,12 @@ async def set_context_settings(body: ContextSettingsIO, tenant: AdminDep, db: Db
     return ContextSettingsIO.of(await tenant_admin.save_settings(db, tenant.id, body.change()))
 
 
-@router.post("/flush", response_model=FlushOut, dependencies=[audited("tenant.flush")])
+@router.post(
+    "/flush",
+    response_model=FlushOut,
+    dependencies=[audited("tenant.flush")],
+    responses={409: {"description": "namespace_shared: the tenant uses the public namespace"}},
+)
 async def flush_tenant(tenant: AdminDep, db: DbDep, state: StateDep) -> FlushOut:
     """Free every cached KV block of the tenant (blocks a reply in flight holds go when it ends)."""
-    return FlushOut.of(await cache_admin.flush_tenant(db, state.engine, tenant.id))
+    return FlushOut.of(await cache_admin.flush_tenant(db, state.engine, state.namespaces, tenant))

@@ -7,12 +7,9 @@ only clients on this machine (loopback) are answered, e.g. a Prometheus agent be
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
+from fastapi import APIRouter, Request, Response
 
-from fastapi import APIRouter, HTTPException, Request, Response, status
-
-from backend.api.deps import StateDep, bearer_token
+from backend.api.deps import StateDep, operator_access
 from backend.core.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["operations"])
@@ -29,18 +26,5 @@ router = APIRouter(tags=["operations"])
 )
 async def metrics(request: Request, state: StateDep) -> Response:
     """Engine and backend metrics in Prometheus' text format (no identifiers in labels)."""
-    expected = state.settings.metrics_token
-    if expected is not None:
-        if not hmac.compare_digest(bearer_token(request).encode(), expected.encode()):
-            raise HTTPException(status.HTTP_401_UNAUTHORIZED, "send the metrics token as a bearer token")
-    elif not _loopback(request):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, "set KVCHAT_METRICS_TOKEN to scrape /metrics from elsewhere")
+    operator_access(request, state.settings.metrics_token, "KVCHAT_METRICS_TOKEN")
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-
-def _loopback(request: Request) -> bool:
-    host = request.client.host if request.client is not None else ""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -1,6 +1,7 @@
 """OpenAI-compatible API: ``POST /v1/chat/completions`` (streaming or not) and ``GET /v1/models``.
 
-Auth: ``Authorization: Bearer <key>`` where the key is a tenant's chat token; the tenant picks the cache namespace.
+Auth: ``Authorization: Bearer <key>`` where the key is a tenant's chat token; the server derives the cache namespace
+from the tenant (``backend/core/namespaces.py``): nothing in the request chooses it.
 Errors come back in OpenAI's shape (see ``backend.openai.errors``).
 """
 
@@ -53,7 +54,7 @@ async def chat_completions(
     body: ChatCompletionRequest, tenant: ChatTenantDep, state: StateDep, request: Request
 ) -> ChatCompletion | StreamingResponse:
     completions = service.ChatCompletions(state.engine, state.metrics)
-    pending, meta = await completions.start(body, namespace=tenant.id)
+    pending, meta = await completions.start(body, tenant.id, state.namespaces.of(tenant.id, tenant.cache_scope))
     if body.stream:
         return completions.stream(pending, meta)
     return await completions.complete(pending, meta, request.is_disconnected)

@@ -53,10 +53,13 @@ async def test_every_admin_write_is_audited_with_its_result(live: LiveServer) ->
             ("PUT", "/admin/tenant/context-settings", SETTINGS, 200),
             ("PUT", "/admin/tenant/context-settings", {**SETTINGS, "shift_threshold": 2}, 422),
             ("PUT", "/admin/tenant/system-prompt", {"system_prompt": "Be brief."}, 200),
+            ("PUT", "/admin/tenant/cache", {"cache_scope": "private", "pin_prefix": False}, 200),
+            ("PUT", "/admin/tenant/cache", {"cache_scope": "public", "pin_prefix": True}, 422),
+            ("PUT", "/admin/tenant/policy-text", {"policy_text": "Refunds within 30 days."}, 200),
             ("POST", "/admin/tenant/keys/rotate", {"kind": "chat"}, 200),
             ("POST", f"/admin/tenant/keys/{missing}/revoke", None, 404),
             ("POST", "/admin/tenant/flush", None, 200),
-            ("DELETE", f"/admin/sessions/{session_id}", None, 204),
+            ("DELETE", f"/admin/sessions/{session_id}", None, 200),
             # reads are not audited
             ("GET", "/admin/sessions", None, 200),
             ("GET", "/admin/rules", None, 200),
@@ -82,11 +85,17 @@ async def test_every_admin_write_is_audited_with_its_result(live: LiveServer) ->
         ("tenant.context_settings", None, "ok"),
         ("tenant.context_settings", None, "invalid_request"),
         ("tenant.system_prompt", None, "ok"),
+        ("tenant.cache", None, "ok"),
+        ("tenant.cache", None, "invalid_cache_settings"),
+        ("tenant.policy_text", None, "ok"),
         ("key.rotate", None, "ok"),
         ("key.revoke", missing, "key_not_found"),
         ("tenant.flush", None, "ok"),
         ("session.delete", session_id, "ok"),
     ]
     assert {r["actor"] for r in rows} == {ACTOR}
+    details = {r["action"]: r["detail"] for r in rows if r["result"] == "ok"}
+    assert details["session.delete"].startswith("erased ") and "disk blocks" in details["session.delete"]
+    assert details["tenant.policy_text"].startswith("freed ") and details["tenant.policy_text"].endswith(" blocks")
     assert page == rows[2:5]
     assert [(r["action"], r["result"], r["actor"]) for r in rows_b] == [("tenant.flush", "ok", display_prefix(admin_b))]

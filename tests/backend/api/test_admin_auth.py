@@ -1,7 +1,8 @@
 """Admin auth through a real server on Postgres, with two real tenants.
 
 Every ``/admin`` route (read from the app's own OpenAPI schema, so a new route is covered the day it lands) refuses
-a missing key, a wrong key and a chat token; a tenant's admin key never reads or changes another tenant's sessions.
+a missing key, a wrong key and a chat token; a tenant's admin key never reads or changes another tenant's sessions,
+and never reaches the operator's engine-global cache settings.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from engine.llm_engine import LLMEngine
 from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, server_settings, serving
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
+OPERATOR_TOKEN = "test-operator-token"
 
 
 @pytest.fixture
 def live(pg_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveServer]:
-    with serving(server_settings(pg_url, tmp_path), tiny_engine) as server:
+    # NOTE: with an operator token, the operator's /admin/cache routes refuse every tenant key too (unset, they answer
+    # loopback clients, which every test client is)
+    with serving(server_settings(pg_url, tmp_path, operator_token=OPERATOR_TOKEN), tiny_engine) as server:
         yield server
 
 
@@ -121,3 +125,24 @@ async def test_key_rotation_shows_the_new_key_once_and_revokes_the_old(live: Liv
     assert (old.status_code, new.status_code, a_still.status_code) == (401, 200, 200)
     assert prompt.json()["system_prompt"] == "Be brief."
     assert a_tenant.json()["system_prompt"] != "Be brief."
+
+
+async def test_only_the_operator_reaches_the_engine_wide_cache_settings(live: LiveServer) -> None:
+    _, admin_b = await _second_tenant(live)
+    operator = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+    before = live.state.engine.cache_settings()
+    async with httpx.AsyncClient(base_url=live.http) as http:
+        for key in (ADMIN_KEY, admin_b):
+            for headers in ({"X-API-Key": key}, {"Authorization": f"Bearer {key}"}):
+                read = await http.get("/admin/cache/settings", headers=headers)
+                write = await http.put("/admin/cache/settings", headers=headers, json={"memory_ttl_s": 1.0})
+                audit = await http.get("/admin/cache/audit", headers=headers)
+                assert (read.status_code, write.status_code, audit.status_code) == (401, 401, 401)
+                assert write.json()["code"] == "unauthorized"
+        ok = await http.get("/admin/cache/settings", headers=operator)
+        trail = (await http.get("/admin/cache/audit", headers=operator)).json()
+        tenant_trail = (await http.get("/admin/audit", headers={"X-API-Key": ADMIN_KEY})).json()
+    assert ok.status_code == 200 and ok.json()["memory_ttl_s"] == before.memory_ttl_s
+    assert live.state.engine.cache_settings() == before  # no tenant's write went through
+    assert trail == []  # refused before anyone was known: nothing to file
+    assert all(r["action"] != "cache.settings" for r in tenant_trail)

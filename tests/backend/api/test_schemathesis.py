@@ -42,8 +42,16 @@ CHECKS = [
 
 @pytest.fixture
 def live(pg_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveServer]:
+    before = tiny_engine.cache_settings()
     with serving(server_settings(pg_url, tmp_path), tiny_engine) as server:
-        yield server
+        tenant = httpx.get(f"{server.http}/admin/tenant", headers={"X-API-Key": ADMIN_KEY}, timeout=30).json()
+        try:
+            yield server
+        finally:
+            # NOTE: the fuzzer reaches the operator's cache settings (a loopback client) and the tenant's pin; the
+            # engine is the whole test session's, so both go back to what they were
+            tiny_engine.unpin(server.state.namespaces.of(tenant["id"], "private"))
+            tiny_engine.configure_cache(**before.as_dict())
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from backend.context.blocks import BlockKey, BlockType
 from backend.context.builder import (
     CARRIED_HEADER,
     PINNED_CONTEXT,
+    POLICY_TEXT,
     SYSTEM_PROMPT,
     ContextRequest,
     Dropped,
@@ -16,6 +17,8 @@ from backend.context.builder import (
     HistoryMessage,
     build_context,
     message_segments,
+    prefix_prompt,
+    prefix_segments,
 )
 from backend.context.rules import DEFAULT_RULES, RuleSet
 from backend.context.splitter import Splitter, word_count
@@ -211,3 +214,28 @@ def test_turn_n_plus_1_extends_turn_n_token_for_token(policy: HistoryPolicy, tin
             assert ids[: len(previous)] != previous
         previous, previous_dropped = ids, built.dropped
     assert shifts == (1 if policy is HistoryPolicy.EPOCH else 0)
+
+
+def test_part_one_is_the_system_prompt_then_the_policy_identical_every_turn() -> None:
+    prompts = [
+        build_context(
+            request(
+                HistoryPolicy.FULL, history=CONVERSATION[:n], pinned_context="VIP", policy_text="Refunds: 30 days."
+            ),
+            words,
+        ).prompt
+        for n in (1, 3, 7)
+    ]
+    for prompt in prompts:
+        system = prompt.messages[0]
+        assert [(s.text, s.block_type) for s in system.segments[:2]] == [
+            (SYSTEM, SYSTEM_PROMPT),
+            ("\n\nRefunds: 30 days.", POLICY_TEXT),
+        ]
+        assert system.content.startswith(f"{SYSTEM}\n\nRefunds: 30 days.\n\nVIP")
+    assert prompts[0].messages[0] == prompts[1].messages[0]  # part 1 (and 2) byte for byte, turn after turn
+    assert [(s.text, s.block_type) for s in prefix_segments("", "Policy only.")] == [("Policy only.", POLICY_TEXT)]
+    assert prefix_prompt("", "") is None
+    alone = prefix_prompt(SYSTEM, "Refunds: 30 days.")
+    assert alone is not None and not alone.add_generation_prompt
+    assert [(m.role, m.segments) for m in alone.messages] == [("system", prompts[0].messages[0].segments[:2])]

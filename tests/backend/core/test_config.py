@@ -41,7 +41,9 @@ def test_production_refuses_default_secret() -> None:
     with pytest.raises(ValidationError, match="KVCHAT_ENV=test"):
         Settings(env=Environment.TEST)
     assert Settings(env=Environment.PRODUCTION, secret_key="s3cret").secret_key == "s3cret"
-    assert Settings(env=Environment.DEVELOPMENT).secret_key == DEV_SECRET
+    with pytest.raises(ValidationError, match="KVCHAT_SECRET_KEY must be set"):
+        Settings(env=Environment.PRODUCTION, secret_key=DEV_SECRET)  # the old development value is no secret
+    assert Settings(env=Environment.DEVELOPMENT).secret_key is None  # a generated one is kept in data_dir
 
 
 def test_bad_port_is_rejected() -> None:
