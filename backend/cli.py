@@ -1,4 +1,4 @@
-"""The ``kvchat`` command: ``serve``, ``migrate``, ``generate`` and ``chat``.
+"""The ``kvchat`` command: ``serve``, ``migrate``, ``generate``, ``doctor`` and ``chat``.
 
 A start-up problem (a database that is down or not supported, a model that is not there, a bad setting) is one line,
 ``error: ...``, on stderr and a non-zero exit — never a traceback.
@@ -147,6 +147,12 @@ def _generate(args: argparse.Namespace) -> int:
     return generate_command(args)
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from engine.cli import doctor_command
+
+    return doctor_command(args)
+
+
 def _chat(args: argparse.Namespace) -> int:
     from backend.chat import client
 
@@ -173,11 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     mig = sub.add_parser("migrate", help="upgrade the database schema (Alembic)")
     mig.add_argument("revision", nargs="?", default="head")
     mig.set_defaults(func=_migrate)
-    from engine.cli import add_generate_arguments
+    from engine.cli import add_doctor_arguments, add_generate_arguments
 
     gen = sub.add_parser("generate", help="stream one completion from the engine to the terminal")
     add_generate_arguments(gen)
     gen.set_defaults(func=_generate)
+    doctor = sub.add_parser("doctor", help="which kernel runs each operation on this machine, and why")
+    add_doctor_arguments(doctor)
+    doctor.set_defaults(func=_doctor)
     from backend.chat.client import add_arguments as add_chat_arguments
 
     chat = sub.add_parser("chat", help="talk to a running kvchat server from the terminal")

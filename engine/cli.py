@@ -1,10 +1,12 @@
-"""``kvchat generate``: stream one completion to the terminal (and show what the cache did)."""
+"""``kvchat generate``: stream one completion to the terminal (and show what the cache did); ``kvchat doctor``: which
+kernel runs each operation on this machine, and why (also ``python -m engine.cli doctor``)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.outputs import RequestFinished, TokenDelta
@@ -68,3 +70,60 @@ async def _generate(args: argparse.Namespace) -> int:
     finally:
         await engine.stop()
     return 0
+
+
+def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", default=None, help="where kernels are built (EngineConfig.cache_dir)")
+
+
+def doctor_command(args: argparse.Namespace) -> int:
+    """Print the machine, the kernel libraries (built now if needed) and the kernel table as resolved here."""
+    import platform
+
+    import torch
+
+    from engine.device import cpu_flags
+    from engine.model import build, kernels
+
+    build.use_cache_dir(args.cache_dir)
+    flags = cpu_flags()
+    shown = sorted(f for f in flags if f.startswith(("amx", "avx512f", "avx512_bf16", "avx2", "fma")))
+    print(f"cpu: {_cpu_model()} ({platform.machine()}), flags: {' '.join(shown) or 'none of interest'}")
+    print(f"torch {torch.__version__}, CUDA {'available' if torch.cuda.is_available() else 'not available'}")
+    print(f"compiler: {build.compiler() or 'none (torch paths only)'}, kernel cache: {build.cache_dir() / 'kernels'}")
+    if build.disabled():
+        print("KVCHAT_DISABLE_KERNELS=1: every operation takes its torch path")
+    for name in sorted({i.library for i in kernels.TABLE if i.library}):
+        usable = {i.library for i in kernels.TABLE if i.needs <= flags}
+        state = (
+            ("built" if kernels.library(name) is not None else "unavailable") if name in usable else "not for this CPU"
+        )
+        print(f"  library {name}: {state}")
+    print()
+    rows = kernels.resolve()
+    widths = [max(len(r[k]) for r in rows) for k in ("op", "dtype", "rows", "runs")]
+    for r in rows:
+        cells = (r[k].ljust(w) for k, w in zip(("op", "dtype", "rows", "runs"), widths, strict=True))
+        print("  ".join(cells), " ", r["why"])
+    return 0
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        return "unknown CPU"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_doctor_arguments(sub.add_parser("doctor", help="which kernel runs each operation here, and why"))
+    add_generate_arguments(sub.add_parser("generate", help="stream one completion to the terminal"))
+    args = parser.parse_args(argv)
+    return doctor_command(args) if args.command == "doctor" else generate_command(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -231,4 +231,6 @@ def _load(
         return model
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(str(model), cache_dir)
     dev = device if isinstance(device, torch.device) else resolve_device(device)
-    return load_model(resolved.path, dev, resolve_dtype(dtype, dev), resolved.fingerprint, packed_weights)
+    return load_model(
+        resolved.path, dev, resolve_dtype(dtype, dev), resolved.fingerprint, packed_weights, cache_dir=cache_dir
+    )

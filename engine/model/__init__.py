@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from engine.model import bf16_linear, gguf_blocks, onednn_linear, panel_linear
+from engine.model import build, gguf_blocks, kernels
+from engine.model.kernels import Layout
 from engine.model.llama import LlamaModel, ModelWeights
 from engine.model.loader import ResolvedModel, eos_token_ids, open_checkpoint, read_config, resolve_model
 from engine.model.spec import ModelSpec
@@ -43,43 +44,35 @@ def load_model(
     dtype: torch.dtype,
     fingerprint: str | None = None,
     packed_weights: bool = True,
+    cache_dir: str | Path | None = None,
 ) -> LoadedModel:
-    """Read config + safetensors of ``folder`` into fused weights on ``device`` in ``dtype``. On CPU, linear layers
-    whose GGUF blocks were kept (``gguf_blocks``) are also packed, unless ``packed_weights`` is False or the model is
-    bf16 on a CPU where ``bf16_linear`` runs: there every linear layer is held as bf16 pair panels instead; in fp32
-    where the panel kernel runs (``panel_linear``), every linear layer is held as panels instead (no blocks); in
-    bf16 on a CPU with AMX (``onednn_linear``), every linear layer also gets oneDNN's reordered copy. On CPU the
-    embeddings and the dense linear weights or their panels are held in transparent huge pages (``huge_pages``)."""
+    """Read config + safetensors of ``folder`` into fused weights on ``device`` in ``dtype``, the linear weights in the
+    layout ``kernels.weight_layout`` picks for this CPU (``packed_weights=False``: never the GGUF blocks). On CPU the
+    embeddings and the linear weights are held in transparent huge pages (``huge_pages``). ``cache_dir``
+    (``EngineConfig.cache_dir``) is where the kernels are built."""
     started = time.monotonic()
+    if cache_dir is not None:
+        build.use_cache_dir(cache_dir)
     spec = ModelSpec.from_hf_config(read_config(folder))
     with open_checkpoint(folder) as get:
         weights = ModelWeights.from_tensors(spec, get, dtype, device)
-    cpu = device.type == "cpu"
-    panels = cpu and dtype == torch.float32 and panel_linear.load() is not None
-    pair_panels = cpu and dtype == torch.bfloat16 and bf16_linear.load() is not None
-    if pair_panels:
+    layout = kernels.weight_layout(dtype, device.type, packed_weights)
+    if layout is Layout.BF16_PANELS:
         weights = weights.with_bf16_panels()
-    if cpu and not panels:  # (fp32 panels are made below, new tensors: the dense copies are dropped)
+    elif layout is Layout.FP32_PANELS:
+        weights = weights.with_panels()
+    if device.type == "cpu":
         weights = weights.in_huge_pages()
-    # NOTE: with panels (bf16 pairs, or fp32) the GGUF blocks are not kept (SmolLM2: 92 MiB). bf16: no batch would
-    # read them (they serve only up to packed.PACKED_MAX_ROWS_BF16 = 4 rows, and the panels are faster even for one).
-    # fp32: they would give one- and two-row batches other bits than the panels (panel_linear.py).
-    if packed_weights and cpu and not pair_panels and not panels:
-        blocks = gguf_blocks.read(folder)
-        if blocks:
-            weights = weights.with_packed(blocks)
-    if panels:  # (CPU only)
-        weights = weights.with_panels().in_huge_pages()
-    if cpu and dtype == torch.bfloat16 and onednn_linear.available():
-        weights = weights.with_onednn()
+    if layout is Layout.GGUF_BLOCKS and (blocks := gguf_blocks.read(folder)):
+        weights = weights.with_packed(blocks)  # (after: the dense copy it keeps is then in huge pages)
     log.info(
-        "loaded %s (%s, %s, %d packed weights, %d as panels, %d reordered for oneDNN) in %.1fs",
+        "loaded %s (%s, %s, linear weights as %s: %d packed, %d as panels) in %.1fs",
         folder,
         spec.model_type,
         dtype,
+        layout,
         weights.num_packed,
         weights.num_panels,
-        weights.num_reordered,
         time.monotonic() - started,
     )
     return LoadedModel(spec, weights, folder, eos_token_ids(folder, spec), device, dtype, fingerprint)

@@ -1,32 +1,12 @@
 """bf16 matmuls with AVX512-BF16 (``vdpbf16ps``) over weights held in 16-output pair panels: ``y = x W^T (+ bias)``
 for any number of rows.
 
-Why: oneDNN's bf16 GEMM (what ``F.linear`` runs) is built for many rows and leaves most of the multiply-add rate
-unused for the 1-30 rows of a decode step; an earlier kernel here took the row-major weights as they are, one dot
-product per row/output pair, and spent ~14% of its instructions on the horizontal sums that layout needs. Measured on
-a 2-core AMD EPYC (Zen 4, AVX512-BF16, ~215 GMAC/s peak), SmolLM2's 121 linear layers + LM head per step, weights
-from memory (huge pages), best of 5, interleaved (``python`` wrapper included for the panels only):
-
-    rows                1     16     30     96    128    512   2048
-    pair panels       8.9   11.1   23.8   59.8   80.5    327   1385 ms
-    row-major kernel  9.1   13.1   26.1   70.6      -      -      - ms
-    F.linear (oneDNN) 18    27.1   36.4   78.8   98.0    354   1499 ms
-
-so every batch, prefill chunks too, takes the panels, which replace the dense weights (no extra memory, except that a
-tied LM head becomes a panel copy of the embedding table, which stays dense for the lookup).
-
 Layout: ``panels[p, k // 2, j, k % 2] = W[16 p + j, k]`` (zeros past the last output): one 64-byte line holds a pair
-of input dims for 16 outputs, which is what one ``vdpbf16ps`` multiplies by a broadcast pair of ``x`` values. Kernel:
-the outer-product register tile (as ``panel_linear.py`` in fp32): tiles of 16 rows x one panel (16 accumulators),
-then 8, 4, 2 and 1 rows; threads split the panels, each panel serves every row tile from cache while the tiles
-prefetch the thread's next panel into L2, a share of its lines each. No horizontal sums, no conversions.
+of input dims for 16 outputs, what one ``vdpbf16ps`` multiplies by a broadcast pair of ``x`` values, so the kernel is
+an outer-product register tile with no horizontal sums. The panels replace the dense weights (no extra memory).
 
-Exactness: every output is one ``vdpbf16ps`` chain over the input pairs from zero, then ``+ bias`` (fp32) and one
-rounding to bf16, whatever the tile or the batch: a row gives the same bits alone and in any batch (test). Results
-differ from ``F.linear`` by summation order, and for subnormal values, which ``vdpbf16ps`` takes and gives as zero.
-Threads split the panels, not the rows: with many threads a layer of few panels (SmolLM2's narrowest: 36) loads them
-unevenly (not measured beyond 2 threads). Built and used only where the CPU has AVX512-BF16; elsewhere the dense
-weights stay.
+NOTE: every output is one ``vdpbf16ps`` chain over the input pairs from zero, then ``+ bias`` and one rounding,
+whatever the tile or the batch: a row gives the same bits alone and in any batch.
 """
 
 from __future__ import annotations
@@ -39,98 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.device import cpu_flags
-from engine.model.cpu_kernels import C_PRELUDE, open_library
+from engine.model.build import open_library
 
 PANEL = 16  # outputs per panel
-
-# Output rows of a panel from fp32 accumulators (also amx_linear.py's, over its stored accumulator tiles)
-PUT_SOURCE = r"""
-/* rows r0 .. r0 + rt of y for panel p: + bias (fp32), rounded to bf16 (nearest even), outputs past O left out */
-static inline void put(const __m512 *acc, const int rt, const int64_t r0, const int64_t p, const int64_t O,
-                       const float *bias, uint16_t *y) {
-    const int64_t o0 = p * 16, n = O - o0 < 16 ? O - o0 : 16;
-    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + o0) : _mm512_setzero_ps();
-    for (int r = 0; r < rt; r++) {
-        const __m256bh h = _mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[r], b) : acc[r]);
-        _mm256_mask_storeu_epi16(y + (r0 + r) * O + o0, mask, (__m256i)h);
-    }
-}
-"""
-
-_SOURCE = (
-    C_PRELUDE
-    + r"""
-#include <immintrin.h>
-#include <omp.h>
-
-/* acc[r] = x_r . panel column (16 outputs) for RT rows: one vdpbf16ps chain per row over the input pairs, from zero.
-   Meanwhile it prefetches lines [pf_lo, pf_hi) of the next panel (line kp holds input pair kp), spread evenly. */
-#define TILE(RT)                                                                                              \
-static inline __attribute__((always_inline)) void tile_##RT(const uint32_t *x, const int64_t pairs,           \
-                                                            const uint16_t *pan, const uint16_t *pf,          \
-                                                            int64_t pf_lo, const int64_t pf_hi, __m512 *out) { \
-    __m512 acc[RT];                                                                                           \
-    for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();                                                \
-    const int64_t count = pf_hi - pf_lo;                                                                      \
-    int64_t due = 0; /* count / pairs lines per pair, as a running remainder */                               \
-    for (int64_t kp = 0; kp < pairs; kp++) {                                                                  \
-        if (count == pairs) /* (one tile takes every line: the next panel's line kp) */                       \
-            _mm_prefetch((const char *)(pf + 32 * (pf_lo + kp)), _MM_HINT_T1);                                \
-        else                                                                                                  \
-            for (due += count; due >= pairs; due -= pairs)                                                    \
-                _mm_prefetch((const char *)(pf + 32 * pf_lo++), _MM_HINT_T1);                                 \
-        const __m512bh w = (__m512bh)_mm512_loadu_si512(pan + 32 * kp);                                       \
-        for (int r = 0; r < RT; r++)                                                                          \
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int32_t)x[r * pairs + kp]), w);    \
-    }                                                                                                         \
-    for (int r = 0; r < RT; r++) out[r] = acc[r];                                                             \
-}
-TILE(16)
-TILE(8)
-TILE(4)
-TILE(2)
-TILE(1)
-
-"""
-    + PUT_SOURCE
-    + r"""
-
-/* y[R][O] = x[R][K] . W^T (+ bias) with W as pair panels [ceil(O / 16)][K / 2][16][2]; K even. Threads split the
-   panels (contiguous runs, so each knows its next one to prefetch), row tiles share each panel's lines. */
-void kvchat_bf16_panels(const uint16_t *x, int64_t R, int64_t K, const uint16_t *panels, int64_t O,
-                        const float *bias, uint16_t *y, int nthreads)
-{
-    const int64_t npanels = (O + 15) / 16, pairs = K / 2;
-    const uint32_t *x32 = (const uint32_t *)x;
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-        const int64_t lo = npanels * tid / nth, hi = npanels * (tid + 1) / nth;
-        for (int64_t p = lo; p < hi; p++) {
-            __m512 acc[16];
-            const uint16_t *pan = panels + p * pairs * 32, *pf = p + 1 < hi ? pan + pairs * 32 : pan;
-            const int64_t lines = p + 1 < hi ? pairs : 0;
-            int64_t r = 0, done = 0; /* rows done; next-panel lines prefetched so far (lines * r / R) */
-#define TILE_AT(RT)                                                                                           \
-    do {                                                                                                      \
-        const int64_t from = done;                                                                            \
-        done = lines * (r + RT) / R;                                                                          \
-        tile_##RT(x32 + r * pairs, pairs, pan, pf, from, done, acc);                                          \
-        put(acc, RT, r, p, O, bias, y);                                                                       \
-        r += RT;                                                                                              \
-    } while (0)
-            while (r + 16 <= R) TILE_AT(16);
-            if (r + 8 <= R) TILE_AT(8);
-            if (r + 4 <= R) TILE_AT(4);
-            if (r + 2 <= R) TILE_AT(2);
-            if (r < R) TILE_AT(1);
-#undef TILE_AT
-        }
-    }
-}
-"""
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +79,7 @@ def load() -> ctypes.CDLL | None:
     """The compiled kernel; None where the CPU lacks AVX512-BF16, kernels are disabled or the build fails."""
     if not available():
         return None
-    lib = open_library("bf16_panels", _SOURCE, "F.linear")
+    lib = open_library("bf16_panels", "F.linear")
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -17,19 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
-from engine.model import (
-    amx_linear,
-    bf16_linear,
-    cpu_kernels,
-    huge_pages,
-    onednn_linear,
-    panel_linear,
-    prefill_attention,
-)
+from engine.model import bf16_linear, cpu_kernels, huge_pages, kernels
 from engine.model.bf16_linear import Bf16Panels
 from engine.model.gguf_blocks import PackedBlocks
 from engine.model.linear import Weight, dense, linear
-from engine.model.onednn_linear import OneDnnWeight
 from engine.model.packed import PackedWeight, pack
 from engine.model.paged_attention import AttentionPlan, attend, write_kv
 from engine.model.panel_linear import PanelWeight, to_panels
@@ -175,56 +166,18 @@ class ModelWeights:
         ]
         return ModelWeights(self.embed, layers, self.norm, panels(self.lm_head))
 
-    def with_onednn(self) -> ModelWeights:
-        """The same bf16 weights with every linear layer and the LM head also reordered for oneDNN
-        (``onednn_linear``: AMX); each keeps what it was (dense, GGUF blocks + dense, or pair panels) for other batch
-        sizes."""
-
-        def reordered(w: Weight) -> Weight:
-            if isinstance(w, OneDnnWeight):
-                return w
-            if not isinstance(w, torch.Tensor | PackedWeight | Bf16Panels):
-                raise ValueError(f"cannot reorder a {type(w).__name__} for oneDNN")
-            return onednn_linear.reorder(w)
-
-        layers = [
-            dataclasses.replace(
-                layer,
-                qkv=reordered(layer.qkv),
-                o=reordered(layer.o),
-                gate_up=reordered(layer.gate_up),
-                down=reordered(layer.down),
-            )
-            for layer in self.layers
-        ]
-        return ModelWeights(self.embed, layers, self.norm, reordered(self.lm_head))
-
     def _linear_weights(self) -> list[Weight]:
         return [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     @property
     def num_packed(self) -> int:
         """How many of the linear weights (4 per layer + the LM head) hold their GGUF blocks (packed)."""
-        return sum(_has_blocks(w) for w in self._linear_weights())
+        return sum(isinstance(w, PackedWeight) for w in self._linear_weights())
 
     @property
     def num_panels(self) -> int:
         """How many of the linear weights (4 per layer + the LM head) are held as panels (fp32, or bf16 pairs)."""
-        return sum(
-            isinstance(w.base if isinstance(w, OneDnnWeight) else w, PanelWeight | Bf16Panels)
-            for w in self._linear_weights()
-        )
-
-    @property
-    def num_reordered(self) -> int:
-        """How many of the linear weights (4 per layer + the LM head) also hold a oneDNN reordered copy."""
-        return sum(isinstance(w, OneDnnWeight) for w in self._linear_weights())
-
-
-def _has_blocks(w: Weight) -> bool:
-    if isinstance(w, OneDnnWeight):
-        w = w.base
-    return isinstance(w, PackedWeight)
+        return sum(isinstance(w, PanelWeight | Bf16Panels) for w in self._linear_weights())
 
 
 def _layer(
@@ -297,14 +250,9 @@ class LlamaModel:
         self.dtype = weights.embed.dtype
         self.rope = rope_tables(spec, max_len, self.dtype, device)
         self.scale = spec.head_dim**-0.5
-        self.kernels = cpu_kernels.load() if device.type == "cpu" else None
-        if device.type == "cpu":  # NOTE: built (once per machine) now, at load, rather than on the first request
-            prefill_attention.load()
-            if self.dtype == torch.float32:
-                panel_linear.load()
-            if self.dtype == torch.bfloat16:
-                bf16_linear.load()
-                amx_linear.load()
+        # NOTE: every library the table picks is built (once per machine) now, at load, not on the first request
+        chosen = {op: kernels.choose_with_library(op, self.dtype, device=device.type) for op in kernels.Op}
+        self.kernels = chosen[kernels.Op.NORM][1]  # (csrc/cpu_kernels.c: norm, rope and activation)
 
     def forward(
         self,

@@ -1,22 +1,13 @@
-"""Attention over the paged KV pool.
+"""Attention over the paged KV pool: a step's batch split once into decode rows and prefill chunks (``AttentionPlan``),
+each attended by what ``kernels.py`` picks: the C kernels on CPU, else SDPA (flash-attn on CUDA when installed and the
+block size is a multiple of 256).
 
-Pool layout (per ARCHITECTURE.md): one tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; token ``p``
-of a sequence lives in flat slot ``block_table[p // bs] * bs + p % bs`` of ``pool[layer, 0|1].view(-1, kv_heads,
-head_dim)``. NOTE: we keep this layout rather than a heads-first one: writing a step's K/V is one ``index_copy_`` over
-slots, whole blocks are contiguous (cheap to move between tiers), and SDPA on CPU takes the ``[kv_heads, L, head_dim]``
-transposed view without a copy, so a heads-first layout would buy nothing.
+Pool layout (ARCHITECTURE.md): ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; token ``p`` of a sequence
+lives in flat slot ``block_table[p // bs] * bs + p % bs``. NOTE: not heads-first: writing a step's K/V is one
+``index_copy_`` over slots, whole blocks are contiguous (cheap to move between tiers), and SDPA on CPU takes the
+``[kv_heads, L, head_dim]`` transposed view without a copy.
 
-CPU / generic path: per step the batch is split once (``AttentionPlan``) into
-* decode rows (one new token each): batched into one SDPA call over a padded gather of their blocks. GQA is handled
-  by folding the query group into the query-length axis (``[B, kv_heads, group, D]``), so K/V are never repeated;
-* prefill chunks: on a CPU with AVX-512 (or AVX2, in fp32), the C kernel of ``prefill_attention.py`` (reads the pool
-  through the block table, no mask tensor); elsewhere one SDPA call each, over the sequence's cached prefix + the
-  chunk, with a causal mask offset by ``start_pos``. A block table that is one run of consecutive blocks is read as a
-  view (no gather copy).
-* on CPU the decode rows go to the C kernel of ``cpu_kernels.py`` (reads K/V in place) instead of the SDPA above.
-
-CUDA: ``flash_attn_with_kvcache`` over the block table when flash-attn is installed and the block size is a multiple
-of 256 (its paged-KV requirement); otherwise the same SDPA path as on CPU. UNTESTED here (no GPU in CI).
+The CUDA path is tested only where a GPU is present (``gpu``-marked tests).
 """
 
 from __future__ import annotations
@@ -27,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.model import cpu_kernels, prefill_attention
+from engine.model import cpu_kernels, kernels, prefill_attention
+from engine.model.kernels import Op
 
 try:  # pragma: no cover - optional CUDA extra
     from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found,unused-ignore]
@@ -98,8 +90,9 @@ class AttentionPlan:
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode: DecodeGroup | None = None
     use_flash: bool = False
-    kernel: ctypes.CDLL | None = None  # cpu_kernels.load() on CPU; None = the torch gather + SDPA path
-    prefill_kernel: ctypes.CDLL | None = None  # prefill_attention.load() on CPU; None = SDPA
+    kernel: ctypes.CDLL | None = None  # the decode kernel's library on CPU, for where the table picks it
+    prefill_kernel: ctypes.CDLL | None = None  # the prefill kernel's library on CPU, for where the table picks it
+    choices: dict[tuple[Op, torch.dtype, bool], bool] = field(default_factory=dict)  # (asked once per step)
 
 
 def build_plan(
@@ -132,9 +125,9 @@ def build_plan(
         plan.decode = _decode_group(decode_rows, decode_items, row, block_size, device)
     plan.use_flash = flash_attn_with_kvcache is not None and device.type == "cuda" and block_size % 256 == 0
     if device.type == "cpu" and plan.decode is not None:
-        plan.kernel = cpu_kernels.load()
+        plan.kernel = kernels.library("cpu_kernels")
     if device.type == "cpu" and prefills:
-        plan.prefill_kernel = prefill_attention.load()
+        plan.prefill_kernel = kernels.library("prefill_attention")
     return plan
 
 
@@ -212,20 +205,16 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
     Returns ``[num_tokens, heads, D]``.
     """
     group = plan.decode
-    # NOTE: a lone bf16 decode row over one run of consecutive blocks keeps SDPA on a view of the pool where the
-    # kernel has no bf16 pair products (no AVX512-BF16): there SDPA measured faster (AMX CPU, 1 thread, 2k context:
-    # 69 vs 85 ms/step). With them the kernel wins (AVX512-BF16, 2 threads, 30 layers at 1k context: 2.3 vs 7.2 ms).
-    # In fp32 the kernel wins even then (AVX2 CPU, 2 threads, 30 layers at 2k context: 5.1 vs 9.6 ms; at 64 tokens
-    # 0.9 vs 2.0 ms), and it wins with any gather to avoid (16 rows x 2k bf16: 285 vs 361 ms/step; shuffled 1 row x
-    # 2k: 74 vs 80).
-    pairs = cpu_kernels.bf16_pairs() and q.shape[-1] % 32 == 0
-    lone_bf16_run = group is not None and group.runs is not None and q.dtype == torch.bfloat16 and not pairs
-    use_kernel = group is not None and not lone_bf16_run and cpu_kernels.supports(q, k_cache, v_cache)
-    kernel = plan.kernel if use_kernel else None
+    kernel = None
+    if group is not None and _picks_kernel(plan, Op.DECODE_ATTENTION, q, group.runs is None):
+        # NOTE: a lone bf16 row over consecutive blocks takes the kernel only with pair products (head dim % 32)
+        lone_without_pairs = group.runs is not None and q.dtype == torch.bfloat16 and q.shape[-1] % 32 != 0
+        kernel = None if lone_without_pairs or not cpu_kernels.supports(q, k_cache, v_cache) else plan.kernel
     if group is not None and group.all_rows and kernel is None:
         return _attend_decode(q, k_cache, v_cache, group, plan.use_flash)
     out = q.new_empty(q.shape)
-    takes = plan.prefills and prefill_attention.supports(q, out, k_cache, v_cache)
+    takes = plan.prefills and _picks_kernel(plan, Op.PREFILL_ATTENTION, q, True)
+    takes = takes and prefill_attention.supports(q, out, k_cache, v_cache)
     chunk_kernel = plan.prefill_kernel if takes else None
     for span in plan.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
@@ -243,6 +232,15 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
     elif group is not None:
         out.index_copy_(0, group.rows, _attend_decode(q.index_select(0, group.rows), k_cache, v_cache, group, False))
     return out
+
+
+def _picks_kernel(plan: AttentionPlan, op: Op, q: torch.Tensor, gather: bool) -> bool:
+    """Whether the table picks a C kernel for ``op`` on ``q`` (``gather``: the rows are not one lone row over
+    consecutive blocks); asked once per step, not per layer."""
+    key = (op, q.dtype, gather)
+    if key not in plan.choices:
+        plan.choices[key] = kernels.choose(op, q.dtype, int(gather), q.device.type).library is not None
+    return plan.choices[key]
 
 
 def _seq_kv(cache: torch.Tensor, blocks: torch.Tensor | slice, kv_len: int) -> torch.Tensor:

@@ -1,14 +1,8 @@
-"""Opt-in weight-only int8 quantization for CPU decode (``EngineConfig.quantization = "int8"``).
+"""Opt-in weight-only int8 quantization for CPU decode (``EngineConfig.quantization = "int8"``), lossy.
 
-Why: a decode step of a small model is bound by reading its weights (SmolLM2-135M: ~270 MB of bf16 per step, ~20 ms
-on this class of CPU), so single-stream speed needs fewer weight bytes. ``torch.ops.aten._weight_int8pack_mm`` reads
-int8 weights with per-output-channel scales: ~0.28 ms vs ~0.74 ms for a 576×3072 bf16 matmul at one row.
-
-NOTE: the int8 kernel is only fast for a few rows (measured, 576×3072, 2 threads: 1 row 0.28 ms vs bf16 0.74 ms;
-16 rows 1.9 vs 0.39; 2000 rows 216 vs 14), so batches of more than ``INT8_MAX_ROWS`` rows (prefill chunks, wide decode
-batches) multiply by the *dequantized* weights instead. Both paths use the same effective weights (int8 × scale);
-they differ only in rounding, as any two batch shapes do in bf16. This mode changes the model's outputs slightly
-compared to the unquantized model, so it is off by default and reported separately in the benchmarks.
+``torch.ops.aten._weight_int8pack_mm`` reads int8 weights with per-output-channel scales, fewer bytes a decode step.
+NOTE: it is only fast for a few rows, so batches of more than ``INT8_MAX_ROWS`` rows multiply by the dequantized
+weights (the same effective weights, another rounding).
 """
 
 from __future__ import annotations

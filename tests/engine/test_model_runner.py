@@ -15,7 +15,6 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.model import bf16_linear, huge_pages
 from engine.model.bf16_linear import Bf16Panels
 from engine.model.huge_pages import HUGE_PAGE
-from engine.model.onednn_linear import OneDnnWeight
 from engine.model.panel_linear import PanelWeight
 from engine.model.spec import ModelSpec
 from engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_token, num_blocks_for_budget
@@ -84,10 +83,9 @@ def test_bf16_linear_weights_are_pair_panels_in_huge_pages(folder: Path) -> None
     dense = ModelRunner(folder, num_blocks=8, block_size=4, device="cpu", dtype="float32").model.weights
     weights = bf16.model.weights
 
-    def panels(w: object) -> Bf16Panels:  # (on an AMX CPU each also holds oneDNN's reordered copy)
-        held = w.base if isinstance(w, OneDnnWeight) else w
-        assert isinstance(held, Bf16Panels)
-        return held
+    def panels(w: object) -> Bf16Panels:
+        assert isinstance(w, Bf16Panels)
+        return w
 
     linear = [panels(weights.lm_head)] + [
         panels(w) for layer in weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)

@@ -110,7 +110,7 @@ def test_linear_dispatches_panels_to_the_kernel_and_dense_weights_to_f_linear() 
     amx = amx_linear.load()  # (on a CPU with AMX the tile kernel takes these batches: test_amx_linear.py)
     for rows in (1, 16, 300):
         x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
-        kernel = bf16_linear.linear(lib, x, panels) if amx is None else amx_linear.linear(amx, x, panels)
+        kernel = bf16_linear.linear(lib, x, panels) if amx is None else amx_linear.run(amx, x, panels)
         assert torch.equal(linear.linear(x, panels), kernel)
         assert torch.equal(linear.linear(x, w), F.linear(x, w))
     assert isinstance(panels, Bf16Panels) and torch.equal(linear.dense(panels), w)

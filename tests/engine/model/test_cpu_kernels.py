@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from engine.model import cpu_kernels, paged_attention
+from engine.model import build, cpu_kernels, paged_attention
 from engine.model.paged_attention import attend, build_plan
 
-needs_compiler = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler")
+needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
 
 
 def _case(
@@ -86,9 +86,8 @@ def test_the_pipelined_prefetch_leaves_the_bits_alone(dtype: torch.dtype) -> Non
     q, k, v, items = _case(dtype, 9, 3, 64, [700, 33, 520, 300, 9, 256, 1, 640], 0, seed=5)
     plan = build_plan(items, 4, torch.device("cpu"))
     outputs = []
-    for stem, l2 in (("paged_decode_big_l2", 64 << 20), ("paged_decode_small_l2", 1024)):
-        source = f"#define KVCHAT_L2_BYTES {l2}\n" + cpu_kernels._SOURCE
-        lib = cpu_kernels.open_library(stem, source, "nothing (the test fails)")
+    for l2 in (64 << 20, 1024):
+        lib = build.open_library("cpu_kernels", "nothing (the test fails)", [f"-DKVCHAT_L2_BYTES={l2}"])
         assert lib is not None
         plan.kernel = cpu_kernels.bind(lib)
         outputs.append(attend(q, k, v, plan))

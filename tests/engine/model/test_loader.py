@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine.errors import ModelLoadError
-from engine.model import bf16_linear, gguf_blocks, onednn_linear, packed, panel_linear, prefill_attention
+from engine.model import bf16_linear, gguf_blocks, packed, panel_linear, prefill_attention
 from engine.model.loader import DEFAULT_MODEL, fingerprint, resolve_model
 from engine.model.spec import ModelSpec
 from engine.model_runner import BatchItem, ModelRunner
@@ -150,12 +150,11 @@ def test_smollm2_converts_once_and_matches_hf(smollm2_cache: str) -> None:
     # in fp32 on a CPU with AVX2 (AVX-512 too) every linear weight is held as panels instead (the blocks are dropped)
     assert runner.model.weights.num_panels == (4 * 30 + 1 if fp32_panels else 0)
     # in bf16 where the AVX512-BF16 kernel runs every linear weight is held as pair panels and the GGUF blocks are
-    # dropped; on AMX every linear weight also gets oneDNN's reordered copy
+    # dropped
     bf16 = ModelRunner(first, num_blocks=16, block_size=16, device="cpu", dtype="bfloat16").model.weights
     pair_panels = bf16_linear.load() is not None
     assert bf16.num_packed == (0 if pair_panels or packed.load() is None else 4 * 30 + 1)
     assert bf16.num_panels == (4 * 30 + 1 if pair_panels else 0)
-    assert bf16.num_reordered == (4 * 30 + 1 if onednn_linear.available() else 0)
     assert runner.vocab_size == 49152
     assert runner.eos_token_ids == (2,)
     ids = [1, 31530, 28, 957, 1462, 314, 216, 34, 2]  # any short prompt

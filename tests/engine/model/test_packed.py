@@ -10,8 +10,12 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine.model import packed
-from engine.model.packed import PACKED_MAX_ROWS, PackedWeight, pack
+from engine.model import kernels, packed
+from engine.model.linear import linear
+from engine.model.packed import PackedWeight, pack
+
+PACKED_MAX_ROWS = kernels.row_limit("gguf_blocks", torch.float32)
+PACKED_MAX_ROWS_BF16 = kernels.row_limit("gguf_blocks", torch.bfloat16)
 
 FORMATS = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 
@@ -44,8 +48,8 @@ def test_linear_matches_the_dense_matmul_fp32(fmt: str, rows: int) -> None:
     assert isinstance(weight, PackedWeight)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(37)
-    torch.testing.assert_close(packed.linear(x, weight), F.linear(x, dense), rtol=0, atol=1e-5)
-    torch.testing.assert_close(packed.linear(x, weight, bias), F.linear(x, dense, bias), rtol=0, atol=1e-5)
+    torch.testing.assert_close(linear(x, weight), F.linear(x, dense), rtol=0, atol=1e-5)
+    torch.testing.assert_close(linear(x, weight, bias), F.linear(x, dense, bias), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])  # fused (1-2 rows) and tiled (3-4) kernel paths
@@ -55,7 +59,7 @@ def test_linear_bf16_rounds_like_a_bf16_matmul(rows: int) -> None:
     weight = pack([(blocks, "q4_1")], dense)
     assert weight is not None
     x = torch.randn(rows, 64).bfloat16()
-    out = packed.linear(x, weight)
+    out = linear(x, weight)
     assert out.dtype == torch.bfloat16
     # the exact fp32 product of the same bf16 weights, rounded once: at most one bf16 ulp apart
     exact = (x.double() @ dense.double().T).float()
@@ -67,7 +71,7 @@ def test_wide_batches_use_the_dense_weights() -> None:
     weight = pack([(blocks, "q8_0")], dense)
     assert weight is not None
     x = torch.randn(PACKED_MAX_ROWS + 1, 64)
-    assert torch.equal(packed.linear(x, weight), F.linear(x, dense))
+    assert torch.equal(linear(x, weight), F.linear(x, dense))
 
 
 def test_fused_parts_are_stacked_in_order() -> None:
@@ -106,5 +110,5 @@ def test_bf16_batches_wider_than_their_limit_use_the_dense_weights() -> None:
     blocks, dense32 = _blocks("q4_1", 16, 64)
     weight = pack([(blocks, "q4_1")], dense32.bfloat16())
     assert weight is not None
-    x = torch.randn(packed.PACKED_MAX_ROWS_BF16 + 1, 64).bfloat16()
-    assert torch.equal(packed.linear(x, weight), F.linear(x, weight.dense))
+    x = torch.randn(PACKED_MAX_ROWS_BF16 + 1, 64).bfloat16()
+    assert torch.equal(linear(x, weight), F.linear(x, weight.dense))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.device import cpu_flags
-from engine.model import cpu_kernels, linear, panel_linear
+from engine.model import build, linear, panel_linear
 from engine.model.panel_linear import PanelWeight, to_panels
 
 needs_kernel = pytest.mark.skipif(
@@ -78,8 +78,7 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
 def test_an_avx512_build_gives_the_bits_of_an_avx2_build(rows: int) -> None:
     # a build for Haswell (AVX2 + FMA: a panel is two 8-lane vectors) against the native one (one 16-lane vector):
     # the same weights give the same bits on either kind of machine
-    source = '#pragma GCC target("arch=haswell")\n' + panel_linear._SOURCE
-    haswell = cpu_kernels.open_library("panel_linear_haswell", source, "nothing (the test fails)")
+    haswell = build.open_library("panel_linear", "nothing (the test fails)", ["-march=haswell"])
     lib = panel_linear.load()
     assert haswell is not None and lib is not None
     gen = torch.Generator().manual_seed(rows)

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import cpu_kernels, paged_attention, prefill_attention
+from engine.model import build, kernels, paged_attention, prefill_attention
 from engine.model.paged_attention import attend, build_plan
 
-needs_kernel = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler")
+needs_kernel = pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
 
 
 def _pool(
@@ -90,28 +90,27 @@ def test_a_row_computes_to_the_same_bits_cold_and_after_a_prefix_hit(dtype: torc
 
 
 @needs_kernel
-def test_attend_uses_the_kernel_for_prefill_spans_where_it_is_worthwhile(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_attend_uses_the_kernel_for_prefill_spans_where_the_table_picks_it(monkeypatch: pytest.MonkeyPatch) -> None:
     dtype, heads, kv_heads, dim = torch.float32, 4, 2, 64
     k, v, table = _pool(dtype, kv_heads, dim, 40, 4, seed=5)
     q = torch.randn(12, heads, dim, generator=torch.Generator().manual_seed(6))
     items = [(28, 12, table.tolist())]
 
-    monkeypatch.setattr(prefill_attention, "worthwhile", lambda dtype: True)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f"}))
     plan = build_plan(items, 4, torch.device("cpu"))
     assert plan.prefill_kernel is not None
     kernel_out = torch.empty_like(q)
     prefill_attention.prefill_attention(plan.prefill_kernel, q, kernel_out, 28, k, v, table, dim**-0.5)
     assert torch.equal(attend(q, k, v, plan), kernel_out)
 
-    monkeypatch.setattr(prefill_attention, "worthwhile", lambda dtype: False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset())  # (no AVX2: the table picks SDPA)
     plan = build_plan(items, 4, torch.device("cpu"))
     sdpa = paged_attention._attend_prefill(q, k, v, plan.prefills[0], False)
     assert torch.equal(attend(q, k, v, plan), sdpa)
     assert (kernel_out - sdpa).abs().max().item() <= 1e-5
 
 
-def test_supports_only_what_the_kernel_takes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prefill_attention, "worthwhile", lambda dtype: True)
+def test_supports_only_what_the_kernel_takes() -> None:
     cache = torch.zeros(2, 4, 2, 64)
     q = torch.zeros(3, 4, 64)
     out = torch.empty_like(q)
@@ -128,8 +127,6 @@ def test_supports_only_what_the_kernel_takes(monkeypatch: pytest.MonkeyPatch) ->
     assert not prefill_attention.supports(wide, torch.empty_like(wide), cache, cache)  # a group of 129 heads
     uneven = torch.zeros(3, 5, 64)
     assert not prefill_attention.supports(uneven, torch.empty_like(uneven), cache, cache)  # 5 heads over 2 kv heads
-    monkeypatch.setattr(prefill_attention, "worthwhile", lambda dtype: False)
-    assert not prefill_attention.supports(q, out, cache, cache)
 
 
 @needs_kernel

@@ -1,0 +1,282 @@
+"""Which implementation runs each operation of the forward pass: one table, read top to bottom.
+
+For an operation, dtype and row count, the first row whose CPU features are present (and none of its excluded ones)
+and whose library builds is the one that runs. The loader (the weight layout), ``linear.py`` (the kernel per batch
+size) and ``paged_attention.py`` (decode and prefill attention) ask ``choose``; ``kvchat doctor`` prints ``resolve()``.
+The measurements behind each row are in docs/benchmarks.md, per CPU kind.
+
+NOTE: the checks that depend on a tensor's shape (an input width that is a multiple of 32 for the AMX tiles, a head
+dim the kernel takes) stay with each kernel's ``supports``/``takes``: the table says which kernel is preferred, the
+kernel says whether it can take this call; if not, the caller takes the next row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from engine.device import cpu_flags
+
+
+class Op(StrEnum):
+    LINEAR = "linear"
+    DECODE_ATTENTION = "decode attention"
+    PREFILL_ATTENTION = "prefill attention"
+    NORM = "norm"
+    ROPE = "rope"
+    ACTIVATION = "activation"
+    ARGMAX = "argmax"
+
+
+class Layout(StrEnum):
+    """How a linear weight is held (chosen at load, by the linear row that serves one row)."""
+
+    DENSE = "dense"
+    BF16_PANELS = "bf16 pair panels"
+    FP32_PANELS = "fp32 panels"
+    GGUF_BLOCKS = "GGUF blocks + dense"
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+ANY_ROWS = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class Impl:
+    op: Op
+    name: str
+    library: str | None  # the csrc/ library it runs (None: torch)
+    dtypes: frozenset[torch.dtype]
+    needs: frozenset[str] = frozenset()  # CPU flags it needs
+    without: frozenset[str] = frozenset()  # CPU flags where another row wins
+    max_rows: int = ANY_ROWS
+    layout: Layout | None = None  # linear only: the weight layout it reads
+    why: str = ""
+
+    def matches(self, dtype: torch.dtype, rows: int, flags: frozenset[str]) -> bool:
+        """Whether this row applies (``rows``: of the batch; for decode attention, the rows that need a gather,
+        0 for a lone row over consecutive blocks)."""
+        return dtype in self.dtypes and rows <= self.max_rows and self.needs <= flags and not self.without & flags
+
+
+def _row(
+    op: Op,
+    name: str,
+    library: str | None,
+    dtypes: set[torch.dtype],
+    why: str,
+    needs: set[str] | None = None,
+    without: set[str] | None = None,
+    max_rows: int = ANY_ROWS,
+    layout: Layout | None = None,
+) -> Impl:
+    return Impl(
+        op, name, library, frozenset(dtypes), frozenset(needs or ()), frozenset(without or ()), max_rows, layout, why
+    )
+
+
+AMX = {"amx_bf16", "amx_tile", "avx512_bf16"}
+TORCH_DTYPES = {F32, BF16, torch.float16}
+
+TABLE: tuple[Impl, ...] = (
+    # --- linear: the weight layout is chosen at load; then the row count picks the kernel that reads it
+    _row(
+        Op.LINEAR,
+        "amx_tiles",
+        "amx_panels",
+        {BF16},
+        "tile multiplies read the pair panels in place; a batch "
+        "costs what one row does, and a row gets the same bits in any batch",
+        needs=AMX,
+        layout=Layout.BF16_PANELS,
+    ),
+    _row(
+        Op.LINEAR,
+        "bf16_pairs",
+        "bf16_panels",
+        {BF16},
+        "vdpbf16ps over pair panels, 2x F.linear at decode sizes "
+        "(Zen 4); on AMX it serves weights whose input width is not a multiple of 32",
+        needs={"avx512_bf16"},
+        layout=Layout.BF16_PANELS,
+    ),
+    _row(
+        Op.LINEAR,
+        "fp32_panels",
+        "panel_linear",
+        {F32},
+        "outer-product register tiles, 1.3-2.5x F.linear on AVX2 (Zen 1-5); the same bits for a row in any batch",
+        needs={"avx2", "fma"},
+        layout=Layout.FP32_PANELS,
+    ),
+    _row(
+        Op.LINEAR,
+        "gguf_blocks",
+        "packed_linear",
+        {F32},
+        "decode reads the GGUF's quantized blocks (0.6-1.1 bytes a weight) where no panel kernel runs",
+        max_rows=48,
+        layout=Layout.GGUF_BLOCKS,
+    ),
+    _row(
+        Op.LINEAR,
+        "gguf_blocks",
+        "packed_linear",
+        {BF16},
+        "as above; from 5 rows dense bf16 wins",
+        max_rows=4,
+        layout=Layout.GGUF_BLOCKS,
+    ),
+    _row(Op.LINEAR, "F.linear", None, TORCH_DTYPES, "everything else (and opt-in int8)", layout=Layout.DENSE),
+    # --- attention
+    _row(
+        Op.DECODE_ATTENTION,
+        "sdpa_view",
+        None,
+        {BF16},
+        "a lone bf16 row over consecutive blocks without bf16 pair "
+        "products: SDPA on a view of the pool measured faster",
+        without={"avx512_bf16"},
+        max_rows=0,
+    ),
+    _row(
+        Op.DECODE_ATTENTION,
+        "c_paged",
+        "cpu_kernels",
+        {F32, BF16},
+        "reads K/V once through the block table (SDPA needs a padded gather first), split-K over the context",
+    ),
+    _row(Op.DECODE_ATTENTION, "sdpa", None, TORCH_DTYPES, "padded gather + one SDPA call (flash-attn on CUDA)"),
+    _row(
+        Op.PREFILL_ATTENTION,
+        "sdpa",
+        None,
+        {BF16},
+        "on AMX SDPA's matmuls run on the tiles: 3x faster here",
+        needs={"amx_bf16"},
+    ),
+    _row(
+        Op.PREFILL_ATTENTION,
+        "c_tiles",
+        "prefill_attention",
+        {F32, BF16},
+        "register-tiled, reads the pool in place; a row gets the same bits cold and after a cache hit",
+        needs={"avx512f"},
+    ),
+    _row(
+        Op.PREFILL_ATTENTION,
+        "c_tiles",
+        "prefill_attention",
+        {F32},
+        "8-lane softmax: 0.77-0.96x SDPA's time on AVX2 (Zen 3)",
+        needs={"avx2", "fma"},
+    ),
+    _row(Op.PREFILL_ATTENTION, "sdpa", None, TORCH_DTYPES, "SDPA with a causal mask (flash-attn on CUDA)"),
+    # --- elementwise: one C call instead of several aten ops per layer
+    _row(Op.NORM, "c_rms_norm", "cpu_kernels", {F32, BF16}, "one call with the residual add (torch: ~8 ops)"),
+    _row(Op.NORM, "F.rms_norm", None, TORCH_DTYPES, "no kernel"),
+    _row(Op.ROPE, "c_rope_store", "cpu_kernels", {F32, BF16}, "rotates q/k and writes K/V to the pool in one call"),
+    _row(Op.ROPE, "torch", None, TORCH_DTYPES, "no kernel, or Qwen3's per-head q/k norm"),
+    _row(Op.ACTIVATION, "c_silu_mul", "cpu_kernels", {F32, BF16}, "one pass over the fused gate/up product"),
+    _row(Op.ACTIVATION, "torch", None, TORCH_DTYPES, "F.silu(gate) * up"),
+    _row(Op.ARGMAX, "c_argmax", "cpu_kernels", {F32}, "greedy sampling over the logits, 16 lanes at a time"),
+    _row(Op.ARGMAX, "torch", None, TORCH_DTYPES, "torch.argmax"),
+)
+
+
+def _loaders() -> dict[str, Callable[[], ctypes.CDLL | None]]:
+    from engine.model import amx_linear, bf16_linear, cpu_kernels, packed, panel_linear, prefill_attention
+
+    return {
+        "amx_panels": amx_linear.load,
+        "bf16_panels": bf16_linear.load,
+        "panel_linear": panel_linear.load,
+        "packed_linear": packed.load,
+        "prefill_attention": prefill_attention.load,
+        "cpu_kernels": cpu_kernels.load,
+    }
+
+
+def library(name: str) -> ctypes.CDLL | None:
+    """The built library ``name`` (None where it cannot be built or kernels are disabled)."""
+    return _loaders()[name]()
+
+
+def candidates(
+    op: Op, dtype: torch.dtype, rows: int = 1, flags: frozenset[str] | None = None, device: str = "cpu"
+) -> Iterator[tuple[Impl, ctypes.CDLL | None]]:
+    """The rows of ``op`` that apply, best first, with their library (torch rows: None)."""
+    flags = cpu_flags() if flags is None else flags
+    for impl in TABLE:
+        if impl.op != op or not impl.matches(dtype, rows, flags):
+            continue
+        if impl.library is None:
+            yield impl, None
+        elif device == "cpu" and (lib := library(impl.library)) is not None:
+            yield impl, lib
+
+
+def choose_with_library(
+    op: Op, dtype: torch.dtype, rows: int = 1, device: str = "cpu"
+) -> tuple[Impl, ctypes.CDLL | None]:
+    """The implementation that runs ``op`` for ``rows`` rows in ``dtype`` on this machine, and its library."""
+    return next(candidates(op, dtype, rows, device=device))
+
+
+def choose(op: Op, dtype: torch.dtype, rows: int = 1, device: str = "cpu") -> Impl:
+    return choose_with_library(op, dtype, rows, device)[0]
+
+
+def weight_layout(dtype: torch.dtype, device: str, packed_weights: bool) -> Layout:
+    """How the loader holds the linear weights: the layout of the linear row that serves one row."""
+    for impl, _ in candidates(Op.LINEAR, dtype, 1, device=device):
+        if impl.layout is Layout.GGUF_BLOCKS and not packed_weights:
+            continue
+        return impl.layout or Layout.DENSE
+    return Layout.DENSE
+
+
+@functools.cache
+def linear_plan(layout: Layout, dtype: torch.dtype) -> tuple[tuple[Impl, ctypes.CDLL | None], ...]:
+    """The linear rows that read weights held as ``layout``, best first, with their libraries (``linear.linear``
+    takes the first whose ``max_rows`` and shape checks take the call). Resolved once per layout and dtype."""
+    rows = [(i, lib) for i, lib in candidates(Op.LINEAR, dtype, 1) if i.layout in (layout, Layout.DENSE)]
+    return tuple((i, lib) for i, lib in rows if i.layout is layout or layout is not Layout.BF16_PANELS)
+
+
+def row_limit(name: str, dtype: torch.dtype) -> int:
+    """The most rows the linear row ``name`` takes in ``dtype``."""
+    return next(i.max_rows for i in TABLE if i.op is Op.LINEAR and i.name == name and dtype in i.dtypes)
+
+
+def resolve(dtypes: tuple[torch.dtype, ...] = (F32, BF16)) -> list[dict[str, str]]:
+    """The table as resolved on this machine: for each operation, dtype and row count, what runs and why."""
+    row_counts: dict[Op, list[tuple[int, str]]] = {
+        Op.LINEAR: [(1, "1"), (16, "16"), (2048, "2048")],
+        Op.DECODE_ATTENTION: [(0, "1, no gather"), (16, "16")],
+    }
+    out = []
+    for op in Op:
+        for dtype in dtypes:
+            for n, label in row_counts.get(op, [(1, "any")]):
+                impl = choose(op, dtype, n)
+                dt = str(dtype).removeprefix("torch.")
+                out.append({"op": op.value, "dtype": dt, "rows": label, "runs": impl.name, "why": impl.why})
+    return out
+
+
+def exercised() -> tuple[list[str], list[str]]:
+    """(implementations this machine can run, those it cannot), by ``op/name`` over the whole table."""
+    ran: list[str] = []
+    skipped: list[str] = []
+    flags = cpu_flags()
+    for impl in TABLE:
+        key = f"{impl.op.value}/{impl.name}/{'+'.join(sorted(str(d).removeprefix('torch.') for d in impl.dtypes))}"
+        usable = impl.needs <= flags and (impl.library is None or library(impl.library) is not None)
+        (ran if usable else skipped).append(key)
+    return ran, skipped
