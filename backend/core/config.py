@@ -57,7 +57,7 @@ class Settings(BaseSettings):
     kv_disk_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0)
     kv_disk_cache_max_gb: float = Field(default=10.0, gt=0)
     kv_min_free_space_gb: float = Field(default=5.0, ge=0)
-    kv_eviction_policy: Literal["weighted", "lru"] = "weighted"
+    kv_eviction_policy: Literal["weighted", "lru"] = "lru"  # LRU won the replay (docs/benchmarks.md)
     kv_pin_max_fraction: float = Field(default=0.25, ge=0, le=0.9)
     # Replies
     reply_max_tokens: int = Field(default=256, ge=1)

@@ -3,8 +3,8 @@ its topic shifts and cache invalidations over the window, and the engine's share
 held by requests, the KV cache by tier), which says how loaded the server is.
 
 NOTE: nothing here depends on another tenant's cached tokens: hit rates are the tenant's own; the tier figures are
-totals over every tenant's namespace, like the batch and queue sizes (a tenant can learn how full the server is, never
-whether a given text is cached for someone else).
+byte totals over every tenant's namespace, like the batch and queue sizes (a tenant can learn how full the server is,
+never whether a given text is cached for someone else).
 """
 
 from __future__ import annotations
@@ -22,20 +22,15 @@ from engine.llm_engine import LLMEngine
 
 @dataclass(frozen=True, slots=True)
 class TierUsage:
-    """The KV cache by tier, all tenants together (counts, not contents: nothing here names a tenant's blocks)."""
+    """The KV cache by tier, all tenants together, in bytes.
+
+    NOTE: bytes only: block counters (cached, promoted, demoted) change with whether another tenant's prompt hit the
+    cache, a probe a tenant must not have (tests/reliability/test_cache_isolation.py); the operator sees them on
+    ``/metrics``.
+    """
 
     memory_bytes: int  # blocks held by requests plus free blocks kept for reuse
     disk_bytes: int
-    memory_blocks_used: int
-    memory_blocks_cached: int
-    pinned_blocks: int
-    disk_blocks: int
-    disk_writes: int
-    disk_writes_refused: int
-    disk_quarantined: int
-    promoted_blocks: int
-    demoted_blocks: int
-    expired_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,20 +62,8 @@ class TenantStats:
 def engine_capacity(engine: LLMEngine) -> EngineCapacity:
     s = engine.stats()
     block_bytes = engine.info.block_size * engine.info.kv_bytes_per_token
-    t = s.tiers
     tiers = TierUsage(
-        memory_bytes=(s.kv.num_used_blocks + s.kv.num_evictable_blocks) * block_bytes,
-        disk_bytes=t.disk_bytes,
-        memory_blocks_used=t.memory_blocks_used,
-        memory_blocks_cached=t.memory_blocks_cached,
-        pinned_blocks=t.pinned_blocks,
-        disk_blocks=t.disk_blocks,
-        disk_writes=t.disk_writes,
-        disk_writes_refused=t.disk_writes_refused,
-        disk_quarantined=t.disk_quarantined,
-        promoted_blocks=t.promoted_blocks,
-        demoted_blocks=t.demoted_blocks,
-        expired_blocks=t.expired_blocks,
+        memory_bytes=(s.kv.num_used_blocks + s.kv.num_evictable_blocks) * block_bytes, disk_bytes=s.tiers.disk_bytes
     )
     return EngineCapacity(
         running=s.running,

@@ -35,7 +35,7 @@ class CacheSettingsOut(BaseModel):
     disk_cache_max_gb: float = Field(description="size cap of the disk tier (least recently used files go first)")
     min_free_space_gb: float = Field(description="below this much free disk space, disk writes are refused")
     eviction_policy: Literal["weighted", "lru"] = Field(
-        description="weighted: session temperature, block type, measured reuse and recency; lru: recency only"
+        description="lru: recency only (the default); weighted: session temperature, block type and recency"
     )
     type_weights: dict[str, float] = Field(description="block type → weight (higher stays longer)")
     pin_max_fraction: float = Field(description="the share of the memory pool all pinned prefixes may hold")

@@ -23,20 +23,11 @@ class RepliesOut(BaseModel):
 
 
 class TiersOut(BaseModel):
-    """The KV cache by tier, every tenant together (``engine.stats().tiers``)."""
+    """The KV cache by tier, every tenant together: bytes only. The block counters (cached, promoted, demoted...) move
+    with whether another tenant's prompt was cached, so they are the operator's (``/metrics``), never a tenant's."""
 
     memory_bytes: int = Field(description="memory tier: blocks held by requests plus free blocks kept for reuse")
-    disk_bytes: int
-    memory_blocks_used: int
-    memory_blocks_cached: int
-    pinned_blocks: int
-    disk_blocks: int
-    disk_writes: int
-    disk_writes_refused: int = Field(description="refused by the free-space guard, the size cap or a full queue")
-    disk_quarantined: int = Field(description="disk files that failed a check on load")
-    promoted_blocks: int = Field(description="blocks loaded from disk back into memory")
-    demoted_blocks: int = Field(description="idle blocks moved from memory to disk")
-    expired_blocks: int
+    disk_bytes: int = Field(description="disk tier: bytes of K/V stored")
 
 
 class EngineOut(BaseModel):
