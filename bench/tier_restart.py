@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from backend.services.context_service import common_prefix
 from bench.workload import DEFAULT_DATA_DIR, DEFAULT_POLICY_CHARS, Session, WorkloadConfig, build_sessions
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -65,15 +66,6 @@ def session_turn(engine: Any, session: Session, tokens: int) -> tuple[list[int],
         if len(turn) >= tokens:
             return turn, engine.tokenize(session.messages(k + 1)), k
     raise SystemExit(f"tier_restart: the session never reaches {tokens} tokens (raise --session-turns)")
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # ---------------------------------------------------------------------------------------------------- children

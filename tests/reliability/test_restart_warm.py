@@ -56,7 +56,7 @@ def test_a_graceful_restart_serves_the_same_prompt_from_disk(pg_url: str, tiny_m
     first = start_server_process(env, tmp_path / "serve-1.log")
     try:
         before = _complete(first, CHAT_TOKEN)
-        # SIGTERM: the drain stops the engine, which writes memory back to disk (uvicorn re-raises the signal at the end)
+        # SIGTERM: the drain stops the engine, which writes memory back to disk (uvicorn re-raises the signal)
         assert first.terminate() in (0, -signal.SIGTERM)
     finally:
         first.kill()

@@ -4,8 +4,6 @@ survives), and a session's detail (blocks, temperature history, invalidation eve
 
 from __future__ import annotations
 
-import asyncio
-import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestFinished
 from engine.sampling_params import SamplingParams
 from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session, server_settings, serving
+from support.ws_chat import Chat
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -35,29 +34,6 @@ KETTLE = "Another thing: the kettle from order #5550001111 broke. Can I return i
 def live(pg_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveServer]:
     with serving(server_settings(pg_url, tmp_path), tiny_engine) as server:
         yield server
-
-
-class Chat:
-    """One websocket chat session of a tenant."""
-
-    def __init__(self, ws: Any) -> None:
-        self.ws = ws
-        self.session_id = ""
-
-    async def hello(self, token: str) -> str:
-        await self.ws.send(json.dumps({"type": "hello", "token": token}))
-        welcome = json.loads(await asyncio.wait_for(self.ws.recv(), TIMEOUT))
-        assert welcome["type"] == "welcome", welcome
-        self.session_id = str(welcome["session_id"])
-        return self.session_id
-
-    async def turn(self, client_msg_id: str, text: str) -> dict[str, Any]:
-        await self.ws.send(json.dumps({"type": "user.message", "client_msg_id": client_msg_id, "text": text}))
-        while True:
-            frame: dict[str, Any] = json.loads(await asyncio.wait_for(self.ws.recv(), TIMEOUT))
-            if frame["type"] == "message.completed":
-                assert frame["status"] == "complete", frame
-                return frame
 
 
 def connect(live: LiveServer) -> Any:
@@ -112,8 +88,8 @@ async def test_flushing_a_session_frees_its_own_blocks_and_keeps_the_shared_pref
     async with connect(live) as ws1, connect(live) as ws2, httpx.AsyncClient(base_url=live.http) as http:
         one, two = Chat(ws1), Chat(ws2)
         s1, s2 = await one.hello(CHAT_TOKEN), await two.hello(CHAT_TOKEN)
-        t1 = await one.turn("a", PARCEL)
-        t2 = await two.turn("b", "Hello, my jacket arrived torn at the seam and I would like a new one please.")
+        t1 = await one.turn(PARCEL)
+        t2 = await two.turn("Hello, my jacket arrived torn at the seam and I would like a new one please.")
         chain1 = chain_blocks(t1["usage"]["prompt_tokens"], t1["usage"]["completion_tokens"], block)
         chain2 = chain_blocks(t2["usage"]["prompt_tokens"], t2["usage"]["completion_tokens"], block)
         shared = t2["usage"]["cached_tokens"] // block  # the system prompt's blocks session 2 found cached
@@ -143,13 +119,13 @@ async def test_flushing_a_session_frees_its_own_blocks_and_keeps_the_shared_pref
         assert d2["invalidation_events"] == []
 
         # the next turn works: only the shared system prompt hits, and it equals a cold run of the same prompt
-        t1b = await one.turn("c", "Any news?")
+        t1b = await one.turn("Any news?")
         assert t1b["usage"]["cached_tokens"] == shared * block
         cold = await cold_run(tiny_engine, prompt_ids(live, s1), live.settings.reply_max_tokens)
         assert (cold.text, cold.stats.completion_tokens) == (t1b["text"], t1b["usage"]["completion_tokens"])
         # and session 2's chain survived whole: its next turn hits every block of its first prompt (and the block
         # where its reply begins when the reply's text encodes back to the sampled ids; the tiny model's often do not)
-        t2b = await two.turn("d", "Thanks, any news?")
+        t2b = await two.turn("Thanks, any news?")
         assert t2b["usage"]["cached_tokens"] in ((t2["usage"]["prompt_tokens"] // block) * block, chain2 * block)
 
 
@@ -162,7 +138,7 @@ async def test_flushing_a_tenant_frees_its_cache_and_not_another_tenants(
     async with connect(live) as ws, httpx.AsyncClient(base_url=live.http) as http:
         one = Chat(ws)
         s1 = await one.hello(CHAT_TOKEN)
-        t1 = await one.turn("a", PARCEL)
+        t1 = await one.turn(PARCEL)
         first_a = await completion(live, CHAT_TOKEN, question)
         first_b = await completion(live, chat_b, question)
         full = (first_a["prompt_tokens"] - 1) // block * block  # a repeat hits every prompt block but the last token's
@@ -193,7 +169,7 @@ async def test_flushing_a_tenant_frees_its_cache_and_not_another_tenants(
         repeat_b = await completion(live, chat_b, question)
         assert repeat_a["prompt_tokens_details"]["cached_tokens"] == 0
         assert repeat_b["prompt_tokens_details"]["cached_tokens"] == (first_b["prompt_tokens"] - 1) // block * block
-        assert (await one.turn("b", "Any news?"))["usage"]["cached_tokens"] == 0
+        assert (await one.turn("Any news?"))["usage"]["cached_tokens"] == 0
         # B's own flush frees B's blocks only: A's just-recomputed ones stay
         before_b = tiny_engine.stats().kv.num_cached_blocks
         flushed_b = (await http.post("/admin/tenant/flush", headers={"X-API-Key": admin_b})).json()
@@ -210,8 +186,8 @@ async def test_session_detail_has_blocks_temperatures_events_and_footprint(
     async with connect(live) as ws:
         one = Chat(ws)
         s1 = await one.hello(CHAT_TOKEN)
-        await one.turn("a", PARCEL)
-        t2 = await one.turn("b", KETTLE)  # another topic: a shift, and epoch 0 leaves the prompt
+        await one.turn(PARCEL)
+        t2 = await one.turn(KETTLE)  # another topic: a shift, and epoch 0 leaves the prompt
     async with httpx.AsyncClient(base_url=live.http) as http:
         resp = await http.get(f"/admin/sessions/{s1}/detail", headers=A)
         other = await http.get(f"/admin/sessions/{s1}/detail", headers={"X-API-Key": admin_b})

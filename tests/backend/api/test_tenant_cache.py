@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +25,7 @@ from backend.db.models import InvalidationEvent, KeyKind
 from backend.services import cache_admin, tenants
 from engine.llm_engine import LLMEngine
 from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session, server_settings, serving
+from support.ws_chat import Chat
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -40,27 +39,6 @@ PARCEL = "My parcel is late. Order #4061234567 was due on Monday, where is it?"
 def live(pg_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveServer]:
     with serving(server_settings(pg_url, tmp_path), tiny_engine) as server:
         yield server
-
-
-class Chat:
-    def __init__(self, ws: Any) -> None:
-        self.ws = ws
-        self.session_id = ""
-
-    async def hello(self, token: str) -> str:
-        await self.ws.send(json.dumps({"type": "hello", "token": token}))
-        welcome = json.loads(await asyncio.wait_for(self.ws.recv(), TIMEOUT))
-        assert welcome["type"] == "welcome", welcome
-        self.session_id = str(welcome["session_id"])
-        return self.session_id
-
-    async def turn(self, text: str) -> dict[str, Any]:
-        await self.ws.send(json.dumps({"type": "user.message", "client_msg_id": uuid.uuid4().hex, "text": text}))
-        while True:
-            frame: dict[str, Any] = json.loads(await asyncio.wait_for(self.ws.recv(), TIMEOUT))
-            if frame["type"] == "message.completed":
-                assert frame["status"] == "complete", frame
-                return frame
 
 
 def connect(live: LiveServer) -> Any:
@@ -143,7 +121,7 @@ async def test_the_system_prompt_and_policy_open_every_prompt_with_the_same_ids(
         assert ids[: len(prefix)] == prefix
     assert second_turn["usage"]["cached_tokens"] >= (len(prefix) // block) * block
     # the pinned-context edit freed from the end of part 1 on: part 1 stayed cached
-    assert live.state.chat.context.last_prompt(session_id).context_from == len(prefix)  # type: ignore[union-attr]
+    assert live.state.chat.context.last_prompt(session_id).context_from == len(prefix)
 
 
 async def test_editing_the_policy_flushes_the_tenants_namespace_and_no_other(
