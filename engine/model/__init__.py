@@ -58,7 +58,7 @@ def load_model(
         weights = ModelWeights.from_tensors(spec, get, dtype, device)
     layout = kernels.weight_layout(dtype, device.type, packed_weights)
     if layout is Layout.BF16_PANELS:
-        weights = weights.with_bf16_panels()
+        weights = weights.with_bf16_panels(keep_dense=kernels.dense_copy_rows(dtype, device.type) is not None)
     elif layout is Layout.FP32_PANELS:
         weights = weights.with_panels()
     if device.type == "cpu":

@@ -27,10 +27,12 @@ PANEL = 16  # outputs per panel
 @dataclass(frozen=True, slots=True)
 class Bf16Panels:
     """A bf16 linear weight ``[out, in]`` held as pair panels ``[ceil(out / 16), in / 2, 16, 2]`` (zeros past
-    ``out``)."""
+    ``out``); ``wide``: the same weight dense, kept where the table sends calls of many rows to ``F.linear``
+    (``kernels.dense_copy_rows``), else None."""
 
     panels: torch.Tensor
     out_features: int
+    wide: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -54,8 +56,9 @@ def convertible(weight: torch.Tensor) -> bool:
     )
 
 
-def to_panels(weight: torch.Tensor) -> Bf16Panels:
-    """``weight`` (``[out, in]``, bf16, ``in`` even) as pair panels."""
+def to_panels(weight: torch.Tensor, keep_dense: bool = False) -> Bf16Panels:
+    """``weight`` (``[out, in]``, bf16, ``in`` even) as pair panels (``keep_dense``: holding ``weight`` too, as
+    ``wide``)."""
     if not convertible(weight):
         raise ValueError(
             f"pair panels need a 2-D bf16 CPU weight of even width, got {weight.dtype} {tuple(weight.shape)}"
@@ -65,7 +68,7 @@ def to_panels(weight: torch.Tensor) -> Bf16Panels:
     padded = torch.zeros(n * PANEL, in_features, dtype=torch.bfloat16)
     padded[:out_features] = weight
     panels = padded.view(n, PANEL, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return Bf16Panels(panels, out_features)
+    return Bf16Panels(panels, out_features, weight.contiguous() if keep_dense else None)
 
 
 @functools.cache

@@ -5,6 +5,10 @@ and whose library builds is the one that runs. The loader (the weight layout), `
 size) and ``paged_attention.py`` (decode and prefill attention) ask ``choose``; ``kvchat doctor`` prints ``resolve()``.
 The measurements behind each row are in docs/benchmarks.md, per CPU kind.
 
+NOTE: the rows of a linear call are those of the whole batch, except where a dense copy is kept for many rows
+(``dense_copy_rows``): there ``llama.row_groups`` multiplies each prefill chunk of ``WIDE_ROWS`` rows or more alone
+and the other requests' rows in runs of fewer, so a row's kernel never depends on the other requests in the batch.
+
 NOTE: the checks that depend on a tensor's shape (an input width that is a multiple of 32 for the AMX tiles, a head
 dim the kernel takes) stay with each kernel's ``supports``/``takes``: the table says which kernel is preferred, the
 kernel says whether it can take this call; if not, the caller takes the next row.
@@ -57,11 +61,16 @@ class Impl:
     max_rows: int = ANY_ROWS
     layout: Layout | None = None  # linear only: the weight layout it reads
     why: str = ""
+    min_rows: int = 0
 
-    def matches(self, dtype: torch.dtype, rows: int, flags: frozenset[str]) -> bool:
-        """Whether this row applies (``rows``: of the batch; for decode attention, the rows that need a gather,
-        0 for a lone row over consecutive blocks)."""
-        return dtype in self.dtypes and rows <= self.max_rows and self.needs <= flags and not self.without & flags
+    def takes_rows(self, rows: int) -> bool:
+        return self.min_rows <= rows <= self.max_rows
+
+    def matches(self, dtype: torch.dtype, rows: int | None, flags: frozenset[str]) -> bool:
+        """Whether this row applies (``rows``: of the call; for decode attention, the rows that need a gather,
+        0 for a lone row over consecutive blocks; None: any row count)."""
+        fits = rows is None or self.takes_rows(rows)
+        return dtype in self.dtypes and fits and self.needs <= flags and not self.without & flags
 
 
 def _row(
@@ -74,17 +83,33 @@ def _row(
     without: set[str] | None = None,
     max_rows: int = ANY_ROWS,
     layout: Layout | None = None,
+    min_rows: int = 0,
 ) -> Impl:
-    return Impl(
-        op, name, library, frozenset(dtypes), frozenset(needs or ()), frozenset(without or ()), max_rows, layout, why
-    )
+    needs_, without_ = frozenset(needs or ()), frozenset(without or ())
+    return Impl(op, name, library, frozenset(dtypes), needs_, without_, max_rows, layout, why, min_rows)
 
 
 AMX = {"amx_bf16", "amx_tile", "avx512_bf16"}
 TORCH_DTYPES = {F32, BF16, torch.float16}
+# NOTE: the fewest rows of one call (one request's prefill chunk: llama.row_groups) that take the dense copy. On the AMX
+# Xeon (docs/benchmarks.md) F.linear wins by 4-10 % at 384-512 rows, loses by 13 % at 640, is even at 768, wins by
+# 2-8 % at 1024 and by ~30 % from 1536: from 1024 it wins at every size measured.
+WIDE_ROWS = 1024
 
 TABLE: tuple[Impl, ...] = (
     # --- linear: the weight layout is chosen at load; then the row count picks the kernel that reads it
+    _row(
+        Op.LINEAR,
+        "F.linear_dense_copy",
+        None,
+        {BF16},
+        "a prefill chunk of many rows: public F.linear on a dense bf16 copy kept beside the panels, 1.5x the "
+        "tiles at 2048 rows (+203 MiB for SmolLM2: the layers, not the LM head); each such chunk is its own call, so "
+        "its rows' bits depend on its length, never on the other requests in the batch",
+        needs=AMX,
+        min_rows=WIDE_ROWS,
+        layout=Layout.BF16_PANELS,
+    ),
     _row(
         Op.LINEAR,
         "amx_tiles",
@@ -208,9 +233,10 @@ def library(name: str) -> ctypes.CDLL | None:
 
 
 def candidates(
-    op: Op, dtype: torch.dtype, rows: int = 1, flags: frozenset[str] | None = None, device: str = "cpu"
+    op: Op, dtype: torch.dtype, rows: int | None = 1, flags: frozenset[str] | None = None, device: str = "cpu"
 ) -> Iterator[tuple[Impl, ctypes.CDLL | None]]:
-    """The rows of ``op`` that apply, best first, with their library (torch rows: None)."""
+    """The rows of ``op`` that apply, best first, with their library (torch rows: None; ``rows`` None: for any
+    row count)."""
     flags = cpu_flags() if flags is None else flags
     for impl in TABLE:
         if impl.op != op or not impl.matches(dtype, rows, flags):
@@ -241,11 +267,20 @@ def weight_layout(dtype: torch.dtype, device: str, packed_weights: bool) -> Layo
     return Layout.DENSE
 
 
+def dense_copy_rows(dtype: torch.dtype, device: str) -> int | None:
+    """The fewest rows of a call that take a dense copy kept beside pair panels here (the loader keeps one for the
+    layers' weights where this is not None; ``llama.row_groups`` cuts a batch at it)."""
+    if weight_layout(dtype, device, packed_weights=False) is not Layout.BF16_PANELS:
+        return None
+    wide = (i for i, _ in candidates(Op.LINEAR, dtype, None, device=device) if i.library is None and i.min_rows > 1)
+    return next((i.min_rows for i in wide if i.layout is Layout.BF16_PANELS), None)
+
+
 @functools.cache
 def linear_plan(layout: Layout, dtype: torch.dtype) -> tuple[tuple[Impl, ctypes.CDLL | None], ...]:
     """The linear rows that read weights held as ``layout``, best first, with their libraries (``linear.linear``
-    takes the first whose ``max_rows`` and shape checks take the call). Resolved once per layout and dtype."""
-    rows = [(i, lib) for i, lib in candidates(Op.LINEAR, dtype, 1) if i.layout in (layout, Layout.DENSE)]
+    takes the first whose row limits and shape checks take the call). Resolved once per layout and dtype."""
+    rows = [(i, lib) for i, lib in candidates(Op.LINEAR, dtype, None) if i.layout in (layout, Layout.DENSE)]
     return tuple((i, lib) for i, lib in rows if i.layout is layout or layout is not Layout.BF16_PANELS)
 
 
@@ -257,7 +292,7 @@ def row_limit(name: str, dtype: torch.dtype) -> int:
 def resolve(dtypes: tuple[torch.dtype, ...] = (F32, BF16)) -> list[dict[str, str]]:
     """The table as resolved on this machine: for each operation, dtype and row count, what runs and why."""
     row_counts: dict[Op, list[tuple[int, str]]] = {
-        Op.LINEAR: [(1, "1"), (16, "16"), (2048, "2048")],
+        Op.LINEAR: [(1, "1"), (16, "16"), (WIDE_ROWS - 1, str(WIDE_ROWS - 1)), (WIDE_ROWS, str(WIDE_ROWS))],
         Op.DECODE_ATTENTION: [(0, "1, no gather"), (16, "16")],
     }
     out = []

@@ -28,6 +28,11 @@ def _dense(_: ctypes.CDLL | None, x: torch.Tensor, w: Weight, bias: torch.Tensor
     return F.linear(x, dense(w), bias)
 
 
+def _wide(_: ctypes.CDLL | None, x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """F.linear on the dense copy kept beside pair panels (None where the weight keeps none: the LM head)."""
+    return F.linear(x, w.wide, bias) if isinstance(w, Bf16Panels) and w.wide is not None else None
+
+
 def _amx(lib: ctypes.CDLL | None, x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor | None:
     ok = lib is not None and isinstance(w, Bf16Panels) and amx_linear.takes(x, w)
     return amx_linear.run(lib, x, w, bias) if ok else None  # type: ignore[arg-type]
@@ -43,6 +48,7 @@ def _checked(kernel: Callable[..., torch.Tensor | None], kind: type) -> Kernel:
 
 
 KERNELS: dict[str, Kernel] = {
+    "F.linear_dense_copy": _wide,
     "amx_tiles": _amx,
     "bf16_pairs": _checked(bf16_linear.linear, Bf16Panels),
     "fp32_panels": _checked(panel_linear.linear, PanelWeight),
@@ -60,7 +66,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         return quant.linear(x, weight, bias)
     rows = x.shape[0]
     for impl, lib in linear_plan(LAYOUTS.get(type(weight), Layout.DENSE), x.dtype):
-        if rows <= impl.max_rows and (y := KERNELS[impl.name](lib, x, weight, bias)) is not None:
+        if impl.takes_rows(rows) and (y := KERNELS[impl.name](lib, x, weight, bias)) is not None:
             return y
     return F.linear(x, dense(weight), bias)  # NOTE: not reached for weights the loader made (a layout has a kernel)
 

@@ -90,12 +90,13 @@ class ModelWeights:
         weights = self._linear_weights()
         linear = [w for w in weights if isinstance(w, torch.Tensor) and w is not self.embed]
         linear += [w.panels for w in weights if isinstance(w, Bf16Panels | PanelWeight)]
+        linear += [w.wide for w in weights if isinstance(w, Bf16Panels) and w.wide is not None]
         moved = {id(t): c for t, c in zip(linear, huge_pages.copies(linear), strict=True)}
         moved[id(self.embed)] = huge_pages.copies([self.embed])[0]
 
         def m(w: Weight) -> Weight:
             if isinstance(w, Bf16Panels):
-                return Bf16Panels(moved[id(w.panels)], w.out_features)
+                return Bf16Panels(moved[id(w.panels)], w.out_features, None if w.wide is None else moved[id(w.wide)])
             if isinstance(w, PanelWeight):
                 return dataclasses.replace(w, panels=moved[id(w.panels)])
             return moved.get(id(w), w) if isinstance(w, torch.Tensor) else w
@@ -147,16 +148,17 @@ class ModelWeights:
         ]
         return ModelWeights(self.embed, layers, self.norm, panels(self.lm_head))
 
-    def with_bf16_panels(self) -> ModelWeights:
+    def with_bf16_panels(self, keep_dense: bool = False) -> ModelWeights:
         """The same bf16 weights with every linear layer and the LM head as pair panels (``bf16_linear``), those whose
         input width is even; the dense copies are dropped (the embedding table stays: a tied LM head becomes a panel
-        copy of it)."""
+        copy of it), or kept beside the layers' panels with ``keep_dense`` (for ``F.linear`` on many rows:
+        ``kernels.dense_copy_rows``; the LM head, which multiplies only the rows that need logits, keeps none)."""
 
-        def panels(w: Weight) -> Weight:
+        def panels(w: Weight, keep: bool = keep_dense) -> Weight:
             if isinstance(w, Bf16Panels):
                 return w
             d = dense(w)
-            return bf16_linear.to_panels(d) if bf16_linear.convertible(d) else w
+            return bf16_linear.to_panels(d, keep) if bf16_linear.convertible(d) else w
 
         layers = [
             dataclasses.replace(
@@ -164,7 +166,7 @@ class ModelWeights:
             )
             for layer in self.layers
         ]
-        return ModelWeights(self.embed, layers, self.norm, panels(self.lm_head))
+        return ModelWeights(self.embed, layers, self.norm, panels(self.lm_head, False))
 
     def _linear_weights(self) -> list[Weight]:
         return [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -211,6 +213,39 @@ def _layer(
     )
 
 
+def row_groups(plan: AttentionPlan, wide_rows: int | None) -> list[tuple[int, int]] | None:
+    """The row ranges of a batch that the layers' linear weights multiply one call each (None: the whole batch in
+    one call), so that the row count which picks a row's kernel (``kernels.WIDE_ROWS``) is its own request's: a
+    prefill chunk of at least ``wide_rows`` rows alone (the dense copy), the other requests' rows in runs of fewer
+    (the tiles). A decode row then gets the same bits beside a long chunk as alone."""
+    n = plan.num_tokens
+    if wide_rows is None or n < wide_rows or (len(plan.prefills) == 1 and plan.prefills[0].q_len == n):
+        return None
+    spans = {p.q_start: p.q_len for p in plan.prefills}
+    groups: list[tuple[int, int]] = []
+    start = row = 0
+    while row < n:
+        size = spans.get(row, 1)  # (a row outside every prefill chunk is one decode row)
+        if size >= wide_rows:
+            groups += [(start, row)] if row > start else []
+            groups.append((row, row + size))
+            start = row + size
+        elif row + size - start >= wide_rows:
+            groups.append((start, row))
+            start = row
+        row += size
+    return groups + ([(start, n)] if start < n else [])
+
+
+def linear_rows(
+    x: torch.Tensor, w: Weight, bias: torch.Tensor | None, groups: list[tuple[int, int]] | None
+) -> torch.Tensor:
+    """``linear`` over ``x``, one call per row range of ``groups`` (``row_groups``)."""
+    if groups is None:
+        return linear(x, w, bias)
+    return torch.cat([linear(x[a:b], w, bias) for a, b in groups])
+
+
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` (float32), as transformers computes them for each rope type."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
@@ -253,6 +288,8 @@ class LlamaModel:
         # NOTE: every library the table picks is built (once per machine) now, at load, not on the first request
         chosen = {op: kernels.choose_with_library(op, self.dtype, device=device.type) for op in kernels.Op}
         self.kernels = chosen[kernels.Op.NORM][1]  # (csrc/cpu_kernels.c: norm, rope and activation)
+        kept = any(isinstance(w, Bf16Panels) and w.wide is not None for w in weights._linear_weights())
+        self.wide_rows = kernels.dense_copy_rows(self.dtype, device.type) if kept else None
 
     def forward(
         self,
@@ -273,8 +310,9 @@ class LlamaModel:
         """The last layer's output ``[N, hidden]`` (before the final norm), writing each layer's K/V into the pool."""
         x = F.embedding(input_ids, self.weights.embed)
         rope = _Rope(self.rope, positions)
+        groups = row_groups(plan, self.wide_rows)
         for i, layer in enumerate(self.weights.layers):
-            x = self._layer(x, layer, rope, plan, kv_pool[i])
+            x = self._layer(x, layer, rope, plan, kv_pool[i], groups)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -296,12 +334,18 @@ class LlamaModel:
         return x, F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
 
     def _layer(
-        self, x: torch.Tensor, w: LayerWeights, rope: _Rope, plan: AttentionPlan, kv: torch.Tensor
+        self,
+        x: torch.Tensor,
+        w: LayerWeights,
+        rope: _Rope,
+        plan: AttentionPlan,
+        kv: torch.Tensor,
+        groups: list[tuple[int, int]] | None = None,
     ) -> torch.Tensor:
         spec = self.spec
         n, heads, kv_heads, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
         h = self._norm(x, w.input_norm)
-        qkv = linear(h, w.qkv, w.qkv_bias)
+        qkv = linear_rows(h, w.qkv, w.qkv_bias, groups)
         fused = w.q_norm is None and cpu_kernels.rope_supported(qkv, rope.table, kv, rope.positions, plan.slots)
         if self.kernels is not None and fused:
             # NOTE: one C call instead of ~10 ops (slices, cat, 3 products, 2 index_copy_) per layer and step
@@ -309,14 +353,14 @@ class LlamaModel:
         else:
             q = self._rope_and_store(qkv, w, rope, plan, kv)
         attn = attend(q, kv[0], kv[1], plan).reshape(n, heads * d)
-        x, h = self._add_norm(x, linear(attn, w.o, w.o_bias), w.post_norm)
-        gate_up = linear(h, w.gate_up)
+        x, h = self._add_norm(x, linear_rows(attn, w.o, w.o_bias, groups), w.post_norm)
+        gate_up = linear_rows(h, w.gate_up, None, groups)
         if self.kernels is not None and cpu_kernels.silu_mul_supported(gate_up):
             act = cpu_kernels.silu_mul(self.kernels, gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return x + linear(act, w.down)
+        return x + linear_rows(act, w.down, None, groups)
 
     def _rope_and_store(
         self, qkv: torch.Tensor, w: LayerWeights, rope: _Rope, plan: AttentionPlan, kv: torch.Tensor

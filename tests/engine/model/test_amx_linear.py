@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model import amx_linear, bf16_linear, linear
+from engine.model import amx_linear, bf16_linear, kernels, linear, llama
+from engine.model.paged_attention import build_plan
 from engine.model_runner import BatchItem, ModelRunner
 from engine.testing import build_tiny_model
 
@@ -139,3 +140,58 @@ def test_a_bf16_decode_row_gives_the_same_logits_alone_and_in_a_batch(tmp_path: 
     batch = runner.forward([*rows, BatchItem(list(range(50, 90)), 0, [20, 21, 22], True)])  # and a prefill chunk
     for i, row in enumerate(rows):
         assert torch.equal(runner.forward([row]), batch[i : i + 1])
+
+
+def test_row_groups_give_each_long_chunk_a_call_of_its_own() -> None:
+    # rows: 3 decode rows, a 600-row chunk, 2 decode rows, chunks of 300 and 250 rows, 1 decode row
+    sizes = [1, 1, 1, 600, 1, 1, 300, 250, 1]
+    items = [(0, n, list(range(40))) for n in sizes]
+    plan = build_plan(items, 16, torch.device("cpu"))
+    wide = 512
+    assert llama.row_groups(plan, wide) == [(0, 3), (3, 603), (603, 905), (905, 1156)]
+    assert llama.row_groups(plan, None) is None
+    assert llama.row_groups(build_plan(items[3:4], 16, torch.device("cpu")), wide) is None  # one chunk alone
+    assert llama.row_groups(build_plan(items[:3], 16, torch.device("cpu")), wide) is None  # fewer rows
+    many = build_plan([(5, 1, [0])] * 1100, 16, torch.device("cpu"))  # decode rows only: runs of fewer than 512
+    assert llama.row_groups(many, wide) == [(0, 511), (511, 1022), (1022, 1100)]
+
+
+@needs_amx
+def test_linear_sends_many_rows_to_the_dense_copy_and_keeps_the_tiles_below() -> None:
+    lib = _kernel()
+    gen = torch.Generator().manual_seed(3)
+    dense = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
+    kept, bare = bf16_linear.to_panels(dense, keep_dense=True), bf16_linear.to_panels(dense)
+    assert kept.wide is not None and torch.equal(kept.wide, dense) and bare.wide is None
+    for rows in (1, kernels.WIDE_ROWS - 1, kernels.WIDE_ROWS, 2048):
+        x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+        wide = rows >= kernels.WIDE_ROWS
+        expected = torch.nn.functional.linear(x, dense) if wide else amx_linear.run(lib, x, kept)
+        assert torch.equal(linear.linear(x, kept), expected)
+        assert torch.equal(linear.linear(x, bare), amx_linear.run(lib, x, bare))  # no copy (the LM head): tiles
+
+
+@needs_amx
+def test_a_bf16_row_gives_the_same_logits_beside_a_long_chunk(tmp_path: Path) -> None:
+    # a chunk of WIDE_ROWS rows takes the dense copy; the decode rows and the shorter chunk beside it keep the tiles,
+    # and the long chunk's own rows get the bits they get alone. SmolLM2's widths and a batch of 1636 rows: there
+    # oneDNN's sums are not the tiles' (measured, 2 threads; at many sizes they are, and then the test could not fail)
+    shape = {"hidden_size": 576, "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 1536}
+    folder = build_tiny_model(tmp_path / "llama", "llama", **shape)
+    runner = ModelRunner(folder, num_blocks=130, block_size=16, device="cpu", dtype="bfloat16")
+    layer = runner.model.weights.layers[0]
+    assert all(isinstance(w, bf16_linear.Bf16Panels) and w.wide is not None for w in (layer.qkv, layer.down))
+    assert runner.model.weights.lm_head.wide is None  # type: ignore[union-attr]
+    prompts = [list(range(3 + i, 23 + 4 * i)) for i in range(4)]
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(4)]
+    for prompt, table in zip(prompts, tables, strict=True):
+        runner.forward([BatchItem(prompt, 0, table, False)])
+    rows = [BatchItem([7 + i], len(p), t, True) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
+    n = kernels.WIDE_ROWS + 8
+    long = BatchItem([3 + (i * 7) % 90 for i in range(n)], 0, list(range(20, 20 + -(-n // 16))), True)
+    short = BatchItem([3 + (i * 11) % 300 for i in range(600)], 0, list(range(90, 128)), True)
+    batch = runner.forward([*rows, long, short])
+    for i, row in enumerate(rows):
+        assert torch.equal(runner.forward([row]), batch[i : i + 1])
+    assert torch.equal(runner.forward([long]), batch[len(rows) : len(rows) + 1])
+    assert torch.equal(runner.forward([short]), batch[len(rows) + 1 :])

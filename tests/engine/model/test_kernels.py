@@ -24,7 +24,11 @@ def _pick(op: Op, dtype: torch.dtype, rows: int, flags: frozenset[str]) -> str:
     ("flags", "dtype", "rows", "expected"),
     [
         (SAPPHIRE_RAPIDS, BF16, 1, "amx_tiles"),
-        (SAPPHIRE_RAPIDS, BF16, 2048, "amx_tiles"),
+        (SAPPHIRE_RAPIDS, BF16, kernels.WIDE_ROWS - 1, "amx_tiles"),
+        (SAPPHIRE_RAPIDS, BF16, kernels.WIDE_ROWS, "F.linear_dense_copy"),
+        (SAPPHIRE_RAPIDS, BF16, 2048, "F.linear_dense_copy"),
+        (SAPPHIRE_RAPIDS, F32, 2048, "fp32_panels"),
+        (ZEN4, BF16, 2048, "bf16_pairs"),
         (ZEN4, BF16, 16, "bf16_pairs"),
         (ZEN1, F32, 2048, "fp32_panels"),
         (frozenset(), F32, 48, "gguf_blocks"),
@@ -84,3 +88,16 @@ def test_this_machine_says_which_kernel_paths_it_exercised() -> None:
     assert ran
     assert all(f"{i.op.value}/{i.name}/" in " ".join(ran) for i in kernels.TABLE if i.library is None)
     assert set(ran).isdisjoint(skipped)
+
+
+def test_a_dense_copy_is_kept_only_where_the_table_can_pick_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = kernels.dense_copy_rows(BF16, "cpu")
+    amx = kernels.choose(Op.LINEAR, BF16, 1).name == "amx_tiles"
+    assert rows == (kernels.WIDE_ROWS if amx else None)
+    assert kernels.dense_copy_rows(F32, "cpu") is None
+    assert kernels.dense_copy_rows(BF16, "cuda") is None
+    if amx:  # (the dense copy's row first: it takes a call only from WIDE_ROWS rows, and only a weight with a copy)
+        assert [i.name for i, _ in kernels.linear_plan(Layout.BF16_PANELS, BF16)][:2] == [
+            "F.linear_dense_copy",
+            "amx_tiles",
+        ]
