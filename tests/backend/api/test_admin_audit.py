@@ -9,11 +9,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_admin_cache import A, Chat, connect, second_tenant
+from test_admin_cache import A, connect, second_tenant
 
 from backend.core.security import display_prefix
 from engine.llm_engine import LLMEngine
 from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, server_settings, serving
+from support.ws_chat import Chat
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_admin_cache import A, Chat, connect, second_tenant
+from test_admin_cache import A, connect, second_tenant
 
 from backend.context.rules import DEFAULT_RULES
 from backend.services import context_store
 from engine.llm_engine import LLMEngine
 from support.server import CHAT_TOKEN, LiveServer, db_session, server_settings, serving
+from support.ws_chat import Chat
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -117,14 +118,14 @@ async def test_the_chat_uses_a_changed_rule_from_the_next_message(live: LiveServ
     async with connect(live) as ws, httpx.AsyncClient(base_url=live.http) as http:
         one = Chat(ws)
         session_id = await one.hello(CHAT_TOKEN)
-        await one.turn("a", TICKET)
+        await one.turn(TICKET, "a")
         assert await _block_types(http, session_id, 1) == ["context"]
         rule = (await http.post("/admin/rules", headers=A, json=ZX_RULE)).json()
-        await one.turn("b", TICKET)
+        await one.turn(TICKET, "b")
         assert await _block_types(http, session_id, 3) == ["section"]
         disabled = await http.put(f"/admin/rules/{rule['id']}", headers=A, json={**ZX_RULE, "enabled": False})
         assert disabled.json()["enabled"] is False
-        await one.turn("c", TICKET)
+        await one.turn(TICKET, "c")
         assert await _block_types(http, session_id, 5) == ["context"]
 
 
@@ -152,6 +153,6 @@ async def test_context_settings_are_validated_and_per_tenant(live: LiveServer) -
     async with connect(live) as ws, httpx.AsyncClient(base_url=live.http) as http:
         one = Chat(ws)
         session_id = await one.hello(CHAT_TOKEN)
-        await one.turn("a", TICKET)
+        await one.turn(TICKET, "a")
         detail = (await http.get(f"/admin/sessions/{session_id}/detail", headers=A)).json()
     assert [(t["seq"], t["temperature"], t["epoch"]) for t in detail["temperature_history"]] == [(1, 0.6, 0)]
