@@ -13,6 +13,7 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from engine.kv.block_hash import hash_chain
+from engine.kv.tier_config import CacheSettings
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestFinished
 from engine.sampling_params import SamplingParams
@@ -29,7 +30,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def tiered(model_dir: Path, disk: Path, **overrides: Any) -> LLMEngine:
-    engine = make_engine(model_dir, disk_cache_dir=str(disk), **({"max_kv_memory_mb": 1} | overrides))
+    # NOTE: no free-space floor, so the tests pass on a machine with little disk left (the guard has its own test)
+    defaults = {"max_kv_memory_mb": 1, "cache_settings": CacheSettings(min_free_space_gb=0)}
+    engine = make_engine(model_dir, disk_cache_dir=str(disk), **(defaults | overrides))
     engine.load()
     return engine
 

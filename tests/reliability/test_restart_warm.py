@@ -57,7 +57,7 @@ def _second_tenant_token(env: dict[str, str]) -> str:
 
 
 def test_a_graceful_restart_serves_the_same_prompt_from_disk(pg_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    env = tiny_server_env(pg_url, tiny_model_dir, tmp_path / "data", min_free_space_gb=0)
+    env = tiny_server_env(pg_url, tiny_model_dir, tmp_path / "data", kv_min_free_space_gb=0)
     first = start_server_process(env, tmp_path / "serve-1.log")
     try:
         before = _complete(first, CHAT_TOKEN)

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import websockets
 
+from engine.kv.tier_config import CacheSettings
 from engine.llm_engine import LLMEngine
 from support.engines import make_engine
 from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, server_settings, serving
@@ -24,7 +25,12 @@ TIMEOUT = 60
 
 @pytest.fixture
 def disk_engine(tiny_model_dir: Path, tmp_path: Path) -> Iterator[LLMEngine]:
-    engine = make_engine(tiny_model_dir, disk_cache_dir=str(tmp_path / "kv_cache"), max_num_seqs=4)
+    engine = make_engine(
+        tiny_model_dir,
+        disk_cache_dir=str(tmp_path / "kv_cache"),
+        max_num_seqs=4,
+        cache_settings=CacheSettings(min_free_space_gb=0),  # (no free-space floor: a nearly full disk still writes)
+    )
     asyncio.run(engine.start())
     try:
         yield engine
