@@ -160,11 +160,13 @@ class Scheduler:
         # NOTE: no admission in a step that preempted: the pool is already short, a new sequence would only be
         # preempted in turn (the same rule as vLLM).
         # NOTE: a sequence whose prefix is still loading from disk is passed over, not waited for; the rest keep order.
-        for seq in [s for s in self.waiting if not s.loading]:
-            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs or step.preempted:
-                break
-            if not self._admit(seq, step):
-                break
+        # (iterated over a copy only when there is room: _admit removes what it admits)
+        if step.budget > 0 and len(self.running) < self.config.max_num_seqs and not step.preempted:
+            for seq in list(self.waiting):
+                if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs or step.preempted:
+                    break
+                if not seq.loading and not self._admit(seq, step):
+                    break
         return SchedulerOutput(list(step.scheduled.values()), step.preempted, step.rejected)
 
     def update_after_step(self, output: SchedulerOutput) -> None:

@@ -100,11 +100,6 @@ class DiskTier:
             records, pool.evicted = pool.evicted, []
             self.demote(records)
 
-    def demote_and_evict(self, hashes: Sequence[BlockHash]) -> int:
-        """Demote the free cached blocks among ``hashes``, then drop them from memory. Returns blocks evicted."""
-        self.demote(self._kv.records(hashes))
-        return self._kv.evict_cached(hashes)
-
     def sweep_idle(self, older_than: float, limit: int | None = None) -> int:
         """Demote free blocks idle since before ``older_than`` (the memory TTL), the oldest ``limit``, and free them."""
         records = self._kv.idle_blocks(older_than, limit)

@@ -4,16 +4,12 @@ through its own rows only."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 from test_admin_cache import A, connect, second_tenant
 
 from backend.core.security import display_prefix
-from engine.llm_engine import LLMEngine
-from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, server_settings, serving
+from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer
 from support.ws_chat import Chat
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
@@ -28,12 +24,6 @@ SETTINGS = {
     "min_block_length": 8,
     "similarity_backend": "tfidf",
 }
-
-
-@pytest.fixture
-def live(pg_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveServer]:
-    with serving(server_settings(pg_url, tmp_path), tiny_engine) as server:
-        yield server
 
 
 async def test_every_admin_write_is_audited_with_its_result(live: LiveServer) -> None:

@@ -5,8 +5,6 @@ survives), and a session's detail (blocks, temperature history, invalidation eve
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +17,7 @@ from backend.services import context_store, tenants
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestFinished
 from engine.sampling_params import SamplingParams
-from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session, server_settings, serving
+from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session
 from support.ws_chat import Chat
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
@@ -28,12 +26,6 @@ TIMEOUT = 60
 A = {"X-API-Key": ADMIN_KEY}
 PARCEL = "My parcel is late. Order #4061234567 was due on Monday, where is it?"
 KETTLE = "Another thing: the kettle from order #5550001111 broke. Can I return it?"
-
-
-@pytest.fixture
-def live(pg_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveServer]:
-    with serving(server_settings(pg_url, tmp_path), tiny_engine) as server:
-        yield server
 
 
 def connect(live: LiveServer) -> Any:

@@ -4,17 +4,13 @@ reason; the chat uses a change from the next message; settings are validated and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 from test_admin_cache import A, connect, second_tenant
 
 from backend.context.rules import DEFAULT_RULES
 from backend.services import context_store
-from engine.llm_engine import LLMEngine
-from support.server import CHAT_TOKEN, LiveServer, db_session, server_settings, serving
+from support.server import CHAT_TOKEN, LiveServer, db_session
 from support.ws_chat import Chat
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
@@ -29,12 +25,6 @@ DEFAULT_SETTINGS = {
     "min_block_length": 8,
     "similarity_backend": "minilm",
 }
-
-
-@pytest.fixture
-def live(pg_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveServer]:
-    with serving(server_settings(pg_url, tmp_path), tiny_engine) as server:
-        yield server
 
 
 async def _block_types(http: httpx.AsyncClient, session_id: str, seq: int) -> list[str]:

@@ -11,14 +11,13 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import websockets
 from sqlalchemy import select
+from test_admin_cache import connect
 
 from backend.core.namespaces import SECRET_FILE, CacheScope, cache_namespace
 from backend.db.models import InvalidationEvent, KeyKind
@@ -33,16 +32,6 @@ TIMEOUT = 60
 A = {"X-API-Key": ADMIN_KEY}
 POLICY = "Returns: within 30 days with the receipt. Refunds go to the original payment method."
 PARCEL = "My parcel is late. Order #4061234567 was due on Monday, where is it?"
-
-
-@pytest.fixture
-def live(pg_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveServer]:
-    with serving(server_settings(pg_url, tmp_path), tiny_engine) as server:
-        yield server
-
-
-def connect(live: LiveServer) -> Any:
-    return websockets.connect(live.ws, open_timeout=TIMEOUT)
 
 
 async def one_turn(live: LiveServer, token: str, text: str) -> tuple[str, dict[str, Any]]:
