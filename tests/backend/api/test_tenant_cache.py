@@ -23,7 +23,7 @@ from backend.core.namespaces import SECRET_FILE, CacheScope, cache_namespace
 from backend.db.models import InvalidationEvent, KeyKind
 from backend.services import cache_admin, tenants
 from engine.llm_engine import LLMEngine
-from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session, server_settings, serving
+from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session, free_port, server_settings, serving
 from support.ws_chat import Chat
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
@@ -181,7 +181,7 @@ async def test_a_restart_keeps_the_namespace_and_another_secret_changes_it(
         tenant_id = (await tenant_of(first, A))["id"]
         ns_first = first.state.namespaces.of(tenant_id, CacheScope.PRIVATE)
         _, cold = await one_turn(first, CHAT_TOKEN, PARCEL)
-    with serving(settings.model_copy(update={"port": settings.port + 1}), tiny_engine) as again:
+    with serving(settings.model_copy(update={"port": free_port()}), tiny_engine) as again:
         assert again.state.namespaces.of(tenant_id, CacheScope.PRIVATE) == ns_first
         _, warm = await one_turn(again, CHAT_TOKEN, PARCEL)
     other = settings.model_copy(update={"port": settings.port + 2, "secret_key": "another-secret"})
@@ -258,7 +258,7 @@ async def test_pinning_the_prefix_follows_edits_restarts_and_the_operators_share
             assert all(call[0] != namespace for call in unpins.calls)  # B's key never reaches A's pin
 
         pins.calls.clear()
-        with serving(live.settings.model_copy(update={"port": live.settings.port + 1}), tiny_engine):
+        with serving(live.settings.model_copy(update={"port": free_port()}), tiny_engine):
             assert pins.calls == [(namespace, repinned)]  # pinned again at start
 
         async with httpx.AsyncClient(base_url=live.http) as http:
