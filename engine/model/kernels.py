@@ -305,13 +305,38 @@ def resolve(dtypes: tuple[torch.dtype, ...] = (F32, BF16)) -> list[dict[str, str
     return out
 
 
-def exercised() -> tuple[list[str], list[str]]:
-    """(implementations this machine can run, those it cannot), by ``op/name`` over the whole table."""
+def usable(impl: Impl, flags: frozenset[str], builds: Callable[[str], bool]) -> bool:
+    """Whether ``impl`` can run on a CPU with ``flags`` where ``builds(library)`` says which libraries build.
+
+    NOTE: a torch row that reads a kernel's weight layout (the dense copy kept beside pair panels) runs only where a
+    library serving that layout builds: without one the loader never picks the layout.
+    """
+    if not impl.needs <= flags or impl.without & flags:
+        return False  # (a row ``without`` a flag is never picked where the flag is: another row wins there)
+    if impl.library is not None and not builds(impl.library):
+        return False
+    if impl.library is None and impl.layout not in (None, Layout.DENSE):
+        return any(
+            i.library is not None and i.layout is impl.layout and i.needs <= flags and builds(i.library) for i in TABLE
+        )
+    return True
+
+
+def row_key(impl: Impl) -> str:
+    """``op/name/dtypes``: how ``exercised`` and ``kvchat doctor`` name a row of the table."""
+    dtypes = "+".join(sorted(str(d).removeprefix("torch.") for d in impl.dtypes))
+    return f"{impl.op.value}/{impl.name}/{dtypes}"
+
+
+def exercised(
+    flags: frozenset[str] | None = None, builds: Callable[[str], bool] | None = None
+) -> tuple[list[str], list[str]]:
+    """(implementations a machine can run, those it cannot), by ``row_key`` over the whole table. By default this
+    machine: its CPU flags and the libraries that build here; tests pass another CPU kind's flags and compiler."""
+    flags = cpu_flags() if flags is None else flags
+    builds = builds or (lambda name: library(name) is not None)
     ran: list[str] = []
     skipped: list[str] = []
-    flags = cpu_flags()
     for impl in TABLE:
-        key = f"{impl.op.value}/{impl.name}/{'+'.join(sorted(str(d).removeprefix('torch.') for d in impl.dtypes))}"
-        usable = impl.needs <= flags and (impl.library is None or library(impl.library) is not None)
-        (ran if usable else skipped).append(key)
+        (ran if usable(impl, flags, builds) else skipped).append(row_key(impl))
     return ran, skipped

@@ -85,9 +85,69 @@ def test_this_machine_says_which_kernel_paths_it_exercised() -> None:
     ran, skipped = kernels.exercised()
     print(f"\nkernel paths exercised on this machine ({len(ran)}):", *ran, sep="\n  ")
     print(f"kernel paths skipped on this machine ({len(skipped)}):", *skipped, sep="\n  ")
-    assert ran
-    assert all(f"{i.op.value}/{i.name}/" in " ".join(ran) for i in kernels.TABLE if i.library is None)
+    assert sorted(ran + skipped) == sorted(kernels.row_key(i) for i in kernels.TABLE)
     assert set(ran).isdisjoint(skipped)
+    # every row the resolved table picks for this CPU is one this machine exercises
+    picked = {(r["op"], r["runs"]) for r in kernels.resolve()}
+    ran_names = {tuple(key.split("/")[:2]) for key in ran}
+    assert picked <= ran_names, picked - ran_names
+    # the torch rows that need (and yield to) no CPU feature run everywhere
+    assert all(kernels.row_key(i) in ran for i in kernels.TABLE if i.library is None and not i.needs and not i.without)
+
+
+AVX2_ONLY = frozenset({"avx2", "fma", "avx", "sse4_2"})
+AVX512 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
+AMX_XEON = AVX512 | {"amx_bf16", "amx_tile", "amx_int8"}
+
+
+def _names(flags: frozenset[str], compiler: bool) -> set[str]:
+    ran, _ = kernels.exercised(flags, builds=lambda _name: compiler)
+    # (prefill attention's c_tiles has two rows, told apart by their dtypes)
+    return {key if key.startswith("prefill attention/c_tiles") else key.rsplit("/", 1)[0] for key in ran}
+
+
+@pytest.mark.parametrize(
+    ("flags", "compiler", "runs", "skips"),
+    [
+        (
+            AMX_XEON,
+            True,
+            {"linear/F.linear_dense_copy", "linear/amx_tiles", "linear/bf16_pairs", "linear/fp32_panels"},
+            {"decode attention/sdpa_view"},
+        ),
+        (
+            AVX512,
+            True,
+            {"linear/bf16_pairs", "linear/fp32_panels", "prefill attention/c_tiles/bfloat16+float32"},
+            {"linear/F.linear_dense_copy", "linear/amx_tiles", "decode attention/sdpa_view"},
+        ),
+        (
+            AVX2_ONLY,
+            True,
+            {"linear/fp32_panels", "prefill attention/c_tiles/float32", "decode attention/sdpa_view"},
+            {"linear/bf16_pairs", "linear/amx_tiles", "prefill attention/c_tiles/bfloat16+float32"},
+        ),
+        (
+            AMX_XEON,
+            False,
+            {"linear/F.linear", "decode attention/sdpa", "norm/F.rms_norm", "argmax/torch"},
+            # no compiler: no kernel, and no dense copy beside panels the loader never makes
+            {"linear/F.linear_dense_copy", "linear/amx_tiles", "decode attention/c_paged", "norm/c_rms_norm"},
+        ),
+    ],
+    ids=["amx", "avx512-no-amx", "avx2-only", "no-compiler"],
+)
+def test_exercised_paths_follow_each_cpu_kinds_table(
+    flags: frozenset[str], compiler: bool, runs: set[str], skips: set[str]
+) -> None:
+    names = _names(flags, compiler)
+    assert runs <= names, runs - names
+    assert not skips & names, skips & names
+    # whatever the kind, the torch rows without CPU needs are exercised: every operation runs in every dtype
+    ran = kernels.exercised(flags, builds=lambda _n: compiler)[0]
+    for impl in kernels.TABLE:
+        if impl.library is None and not impl.needs and not impl.without:
+            assert kernels.row_key(impl) in ran
 
 
 def test_a_dense_copy_is_kept_only_where_the_table_can_pick_it(monkeypatch: pytest.MonkeyPatch) -> None:
