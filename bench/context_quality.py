@@ -33,14 +33,15 @@ from backend.context.splitter import Splitter
 from backend.context.topic import TopicSettings, TopicTracker, identifier_keys
 from backend.db.models import HistoryPolicy, MessageRole
 from backend.services.context_service import shared_backend
+from bench.datasets import CONVERSATIONS, GUIDELINES, DataNotFoundError, read_text, resolve
 from bench.workload import render_policy, system_prompt
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "cucom_ecommerce_dev.jsonl"
-DEFAULT_GUIDELINES = REPO.parent / "shared" / "data" / "abcd_guidelines.json"
+DEFAULT_DATA = CONVERSATIONS
+DEFAULT_GUIDELINES = GUIDELINES
 DEFAULT_OUT = REPO / "docs" / "benchmarks" / "context_quality.json"
 POLICIES = (HistoryPolicy.FULL, HistoryPolicy.EPOCH, HistoryPolicy.BUDGET)
 # NOTE: the held-out half of the data (bench/topic_shift.py tuned its thresholds on the first 1,000 conversations).
@@ -65,11 +66,13 @@ class Score:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     for path in (args.data, args.guidelines):
-        if not path.is_file():
-            print(f"error: {path} not found (the shared data folder: ../shared/data/)", file=sys.stderr)
+        try:
+            resolve(path)
+        except DataNotFoundError as exc:
+            print(f"error: {exc} (the vendored data lives in bench/data/)", file=sys.stderr)
             return 1
     sessions = load_sessions(args.data, args.sessions, args.conversations_per_session)
-    guidelines = json.loads(args.guidelines.read_text())
+    guidelines = json.loads(read_text(args.guidelines))
     system = system_prompt(0, render_policy(guidelines, 0, seed=0, max_chars=args.policy_chars))
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_kv_memory_mb=1024))
     info = engine.load()
@@ -97,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def load_sessions(data: Path, n: int, per_session: int) -> list[list[Turn]]:
     """``n`` sessions, each ``per_session`` consecutive held-out conversations spliced back to back."""
-    lines = data.read_text().splitlines()[FIRST_CONVERSATION:]
+    lines = read_text(data).splitlines()[FIRST_CONVERSATION:]
     conversations = [json.loads(line)["turns"] for line in lines]
     sessions = []
     for i in range(n):

@@ -31,9 +31,10 @@ from typing import Any
 from backend.context.rules import DEFAULT_RULES, RuleSet
 from backend.context.similarity import MiniLMSimilarity, SimilarityBackend, TfidfSimilarity
 from backend.context.topic import DESIGN_SHIFT_THRESHOLD, Identify, TopicSettings, TopicTracker, identifier_keys, tuned
+from bench.datasets import CONVERSATIONS, DataNotFoundError, read_text, resolve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = REPO_ROOT / ".." / "shared" / "data" / "cucom_ecommerce_dev.jsonl"
+DEFAULT_DATA = CONVERSATIONS
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "topic_shift.json"
 COMMAND = ".venv/bin/python -m bench.topic_shift"
 BACKENDS = ("tfidf", "minilm")
@@ -111,8 +112,8 @@ class _Memo:
 
 def load_conversations(path: Path) -> list[Conversation]:
     conversations = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
+    for line in read_text(path).splitlines():
+        if line.strip():
             turns = json.loads(line)["turns"]
             conversations.append([Turn(t["role"].lower() == "user", t["content"]) for t in turns])
     return conversations
@@ -215,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not args.data.is_file():
+    try:
+        resolve(args.data)
+    except DataNotFoundError:
         print(f"topic_shift: data file not found: {args.data} (pass --data PATH)", file=sys.stderr)
         return 2
     pairs = make_pairs(load_conversations(args.data), "tune" if args.tune else "held_out", args.pairs)

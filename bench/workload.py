@@ -9,7 +9,7 @@ Conversations are spliced back to back when a session needs more turns than one 
 Everything is deterministic for a given seed. Arrival pattern (``burst``, ``ramp``, ``poisson``) and think time
 (``fixed`` or ``exp`` with a mean) are part of the workload, drawn from the same seed.
 
-Data (read from ``--data-dir``, default ``<repo>/../shared/data``; nothing is copied into the repository):
+Data (read from ``--data-dir``, default ``bench/data/``, vendored xz-compressed: ``bench/datasets.py``):
 
 * ``cucom_ecommerce_dev.jsonl`` — a subset of the CuCom v0.1 e-commerce conversations (vakyansh/cucom), Apache-2.0.
 * ``abcd_guidelines.json`` — the agent handbook of the ABCD dataset (asappresearch/abcd), MIT.
@@ -28,10 +28,10 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from bench.datasets import CONVERSATIONS_FILE, DATA_DIR, GUIDELINES_FILE, read_text
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA_DIR = REPO_ROOT / ".." / "shared" / "data"
-CONVERSATIONS_FILE = "cucom_ecommerce_dev.jsonl"
-GUIDELINES_FILE = "abcd_guidelines.json"
+DEFAULT_DATA_DIR = DATA_DIR
 # NOTE: ≈ 4 characters per token for this English text with SmolLM2's tokenizer; the run reports the exact count.
 DEFAULT_POLICY_CHARS = 4300
 _USER_ROLES = frozenset({"user", "customer", "client"})
@@ -111,14 +111,13 @@ class Conversation:
 def load_conversations(path: Path) -> list[Conversation]:
     """CuCom JSON lines → conversations of (user, agent) pairs (roles in any case; same-role runs merged)."""
     out: list[Conversation] = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            pairs = _pairs(record.get("turns", []))
-            if pairs:
-                out.append(Conversation(str(record.get("id", f"line{line_no}")), pairs))
+    for line_no, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        pairs = _pairs(record.get("turns", []))
+        if pairs:
+            out.append(Conversation(str(record.get("id", f"line{line_no}")), pairs))
     if not out:
         raise ValueError(f"no usable conversations in {path}")
     return out
@@ -142,7 +141,7 @@ def _pairs(turns: Iterable[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
 
 
 def load_guidelines(path: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    data: dict[str, Any] = json.loads(read_text(path))
     return data
 
 
