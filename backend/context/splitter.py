@@ -1,7 +1,8 @@
 """Split one message into typed semantic blocks.
 
 1. Cut the text into units: a fenced code block or a bracket-balanced JSON value is one unit; other lines are cut
-   into sentences (after ``. ! ?`` plus whitespace, or after ``。！？``), never right after a step marker (``1.``).
+   into sentences (after ``. ! ?`` plus whitespace, or after ``。！？``), never right after a step marker (``1.``) or
+   an abbreviation (``no.``, ``ref.``, ``e.g.``: "tracking no. 1Z999…" is one sentence, so it stays an identifier).
 2. Type each unit with the rule set (``RuleSet.classify``); no match is ``context``.
 3. Merge fragments shorter than ``min_block_length`` tokens into their neighbour (section headers excepted); the
    merged block takes the type of the higher-ranked part, so a short order number never loses ``identifier``.
@@ -27,6 +28,14 @@ TokenCounter = Callable[[str], int]
 DEFAULT_MIN_BLOCK_LENGTH = 8
 
 _SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*\s+|[。！？]+[\"'”’)\]]*\s*")
+# NOTE: a period after these is not a sentence end ("Dr. Rao", "approx. 3 days", "e.g. a refund"); after the words
+# that also end sentences ("no", "num", "art", "sec") only when a code follows: "Order no. A1234567" is one sentence,
+# "I said no. Then he left." two.
+_ABBREVIATION = re.compile(
+    r"(?i)(?<![\w.])(?:nr|nos|ref|acct|tel|approx|vs|e\.g|i\.e|mr|mrs|ms|dr|dept|qty|pcs|pp|pg|vol|fig|para)\.$"
+)
+_ABBREVIATION_BEFORE_CODE = re.compile(r"(?i)(?<![\w.])(?:no|num|art|sec|ph)\.$")
+_CODE_NEXT = re.compile(r"\s*#?[\w-]*\d")
 _STEP_MARKER_ONLY = re.compile(r"^\s*(?:\d{1,2}[.)]|(?i:step)\s+\d{1,2}[.:)]?)\s*$")
 _STEP_REFERENCE = re.compile(r"(?i)\bstep\s+(\d{1,2})\b|第\s*([0-9一二三四五六七八九十]+)\s*步")
 _ZH_DIGITS = {"零": 0, "一": 1, "二": 2, "两": 2, "三": 3, "四": 4, "五": 5, "六": 6, "七": 7, "八": 8, "九": 9}
@@ -192,12 +201,23 @@ def _balanced_end(text: str, lines: list[tuple[int, int]], first: int) -> int | 
 def _sentence_spans(text: str, start: int, end: int) -> list[tuple[int, int]]:
     spans, begin = [], start
     for m in _SENTENCE_END.finditer(text, start, end):
-        if _STEP_MARKER_ONLY.match(text[begin : m.end()]) or m.end() >= end:
+        if _STEP_MARKER_ONLY.match(text[begin : m.end()]) or m.end() >= end or _after_abbreviation(text, begin, m):
             continue
         spans.append((begin, m.end()))
         begin = m.end()
     spans.append((begin, end))
     return spans
+
+
+def _after_abbreviation(text: str, begin: int, m: re.Match[str]) -> bool:
+    """Whether the cut at ``m`` is only the period of an abbreviation ("no." in "Order no. A1234567")."""
+    if m.group(0).rstrip() != ".":
+        return False
+    if _ABBREVIATION.search(text, begin, m.start() + 1) is not None:
+        return True
+    return _ABBREVIATION_BEFORE_CODE.search(text, begin, m.start() + 1) is not None and bool(
+        _CODE_NEXT.match(text, m.end())
+    )
 
 
 def _trim(text: str, start: int, end: int) -> tuple[int, int]:

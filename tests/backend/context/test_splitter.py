@@ -176,3 +176,30 @@ def test_a_new_epoch_starts_without_a_parent_and_unknown_references_fall_back() 
 )
 def test_zh_numbers(text: str, value: int | None) -> None:
     assert zh_number(text) == value
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "Where is my parcel? The tracking no. 1Z999AA10123456784 shows nothing since Monday.",
+            [
+                ("question", "Where is my parcel?"),
+                ("identifier", "The tracking no. 1Z999AA10123456784 shows nothing since Monday."),
+            ],
+        ),
+        (
+            "Order no. A1234567 never arrived, can you check?",
+            [("identifier", "Order no. A1234567 never arrived, can you check?")],
+        ),
+        ("Order no. A1234567", [("identifier", "Order no. A1234567")]),
+        (
+            "It takes approx. 3 days. Dr. Rao said so.",
+            [("context", "It takes approx. 3 days."), ("context", "Dr. Rao said so.")],
+        ),
+        # "no." ends a sentence when no code follows it
+        ("I said no. Then he left.", [("context", "I said no."), ("context", "Then he left.")]),
+    ],
+)
+def test_a_period_after_an_abbreviation_does_not_cut_the_sentence(text: str, expected: list[tuple[str, str]]) -> None:
+    assert split(text) == expected
