@@ -3,11 +3,13 @@
 Short transactions, like ``sessions.py``: callers pass the DB session and commit. Rules for a tenant are the enabled
 global rules (``tenant_id`` NULL) plus the tenant's own; a tenant rule with a global rule's name replaces it (that
 is how a tenant switches a default off or changes its pattern). ``RuleSetCache`` compiles them once per tenant and
-again only when they change.
+again only when they change; a stored rule that no longer compiles (a Python-only pattern from before RE2) is left
+out of the chat's rule set, with one log line per compile, rather than stopping the tenant's chat.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -30,6 +32,8 @@ from backend.db.models import (
     TenantContextSettings,
     TopicHistory,
 )
+
+log = logging.getLogger("kvchat.context")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +78,9 @@ class RuleSetCache:
         cached = self._compiled.get(tenant_id)
         if cached is not None and cached[0] == version:
             return cached[1]
-        rules = RuleSet.compile(await load_rules(db, tenant_id))
+        rules, refused = RuleSet.compile_usable(await load_rules(db, tenant_id))
+        for exc in refused:
+            log.warning("tenant %s: stored %s; the chat leaves it out until it is fixed", tenant_id, exc)
         self._compiled[tenant_id] = (version, rules)
         return rules
 

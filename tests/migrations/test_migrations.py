@@ -1,5 +1,6 @@
-"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002, 0004 and 0005 up and
-down alone."""
+"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002, 0004, 0005 and 0006 up
+and down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change, write a
+migration)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from backend.context.rules import DEFAULT_RULES
+from backend.context.blocks import BlockType
+from backend.context.rules import DEFAULT_RULES, Rule, compile_rule
 from backend.db import migrate
 from backend.db.models import Base
 
@@ -51,10 +53,15 @@ async def _execute(url: str, sql: str) -> list[tuple[object, ...]]:
         await engine.dispose()
 
 
+GLOBAL_RULES = "SELECT name, pattern, block_type, priority, language FROM splitter_rules WHERE tenant_id IS NULL"
+
+
 def _roundtrip(url: str) -> None:
     assert asyncio.run(_tables(url)) == set()
     migrate.upgrade(url)
     assert asyncio.run(_tables(url)) == EXPECTED_TABLES
+    defaults = sorted((r.name, r.pattern, r.block_type.value, r.priority, r.language) for r in DEFAULT_RULES)
+    assert sorted(asyncio.run(_execute(url, GLOBAL_RULES))) == defaults
     assert set(Base.metadata.tables) == EXPECTED_TABLES
     migrate.downgrade(url, "base")
     assert asyncio.run(_tables(url)) == set()
@@ -85,8 +92,10 @@ def _context_layer_up_and_down(url: str) -> None:
     seeded = asyncio.run(
         _execute(url, "SELECT name, pattern, block_type, priority, language, tenant_id FROM splitter_rules ORDER BY id")
     )
-    # The migration's frozen seed still equals today's defaults (when the defaults change, write a migration).
-    assert seeded == [(r.name, r.pattern, r.block_type.value, r.priority, r.language, None) for r in DEFAULT_RULES]
+    # The frozen seed: 18 global rules, each still a default of the same type, priority and language.
+    defaults = {r.name: (r.block_type.value, r.priority, r.language, None) for r in DEFAULT_RULES}
+    assert len(seeded) == 18
+    assert all(defaults[name] == tuple(rest) for name, _, *rest in seeded)
     migrate.downgrade(url, "0001")
     assert asyncio.run(_tables(url)) == TABLES_0001
     assert not SESSION_COLUMNS_0002 & asyncio.run(_session_columns(url))
@@ -153,6 +162,36 @@ def _tenant_cache_up_and_down(url: str) -> None:
     assert asyncio.run(_execute(url, "SELECT policy_text, cache_scope FROM tenants")) == [("", "private")]
 
 
+def _rules_in_re2_up_and_down(url: str) -> None:
+    """0005 → 0006 rewrites the seeded rules that RE2 refuses (lookarounds) and leaves an operator's edit of a global
+    rule and a tenant's own rule as they were; back to 0005 the seeded patterns return exactly."""
+    migrate.upgrade(url, "0005")
+    tenant = "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', '', '2026-01-01')"
+    asyncio.run(_execute(url, tenant))
+    asyncio.run(_execute(url, "UPDATE splitter_rules SET pattern = 'ord(?=er)' WHERE name = 'order_number'"))
+    asyncio.run(
+        _execute(
+            url,
+            "INSERT INTO splitter_rules (tenant_id, name, pattern, block_type, priority, language, enabled, updated_at)"
+            " VALUES ('t1', 'phone', '(?<!x)y', 'identifier', 1, 'any', true, '2026-01-01')",
+        )
+    )
+    before = sorted(asyncio.run(_execute(url, GLOBAL_RULES)))
+    migrate.upgrade(url, "0006")
+    after = {name: pattern for name, pattern, *_ in asyncio.run(_execute(url, GLOBAL_RULES))}
+    changed = {name for name, pattern, *_ in before if after[name] != pattern}
+    assert changed == {"account_or_ticket", "email", "phone", "step_numbered"}  # order_number: the operator's
+    assert after["order_number"] == "ord(?=er)"
+    for name, pattern in after.items():
+        if name != "order_number":
+            compile_rule(Rule(name, pattern, BlockType.CONTEXT, 0))  # RE2 accepts every seeded pattern now
+    own = "SELECT pattern FROM splitter_rules WHERE tenant_id = 't1'"
+    assert asyncio.run(_execute(url, own)) == [("(?<!x)y",)]
+    migrate.downgrade(url, "0005")
+    assert sorted(asyncio.run(_execute(url, GLOBAL_RULES))) == before
+    assert asyncio.run(_execute(url, own)) == [("(?<!x)y",)]
+
+
 @pytest.mark.postgres
 def test_postgres_upgrade_to_head_and_back(pg_empty_url: str) -> None:
     _roundtrip(pg_empty_url)
@@ -187,3 +226,12 @@ def test_postgres_tenant_cache_revision_up_and_down(pg_empty_url: str) -> None:
 
 def test_sqlite_tenant_cache_revision_up_and_down(tmp_path: Path) -> None:
     _tenant_cache_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+
+
+@pytest.mark.postgres
+def test_postgres_rules_in_re2_revision_up_and_down(pg_empty_url: str) -> None:
+    _rules_in_re2_up_and_down(pg_empty_url)
+
+
+def test_sqlite_rules_in_re2_revision_up_and_down(tmp_path: Path) -> None:
+    _rules_in_re2_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")

@@ -1,6 +1,7 @@
 """Admin: the tenant's splitter rules. Global rules are listed read-only; the tenant adds, edits, disables and
-deletes its own, and shadows a global rule by adding one of the same name. A pattern that does not compile or can
-match the empty string is a 422 ``invalid_rule`` with the reason. The chat uses the change from the next message.
+deletes its own, and shadows a global rule by adding one of the same name. A pattern is RE2 syntax: one that RE2
+refuses (a lookaround, a backreference), that compiles too large, or that can match the empty string is a 422
+``invalid_rule`` naming the rule and the reason. The chat uses the change from the next message.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class RuleIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Identifier = Field(description="a global rule's name replaces that rule for this tenant")
-    pattern: Annotated[SafeText, Field(min_length=1, max_length=2000)] = Field(description="a Python regex")
+    pattern: Annotated[SafeText, Field(min_length=1, max_length=2000)] = Field(description="an RE2 regex")
     block_type: BlockType
     priority: int = Field(ge=-1000, le=1000, description="the highest priority among matching rules wins")
     language: Literal["en", "zh", "any"] = "any"

@@ -36,11 +36,15 @@ async def test_bad_rules_are_refused_with_the_reason(live: LiveServer) -> None:
     async with httpx.AsyncClient(base_url=live.http) as http:
         broken = await http.post("/admin/rules", headers=A, json={**ZX_RULE, "pattern": "(ZX"})
         empty = await http.post("/admin/rules", headers=A, json={**ZX_RULE, "pattern": "x*"})
+        lookahead = await http.post("/admin/rules", headers=A, json={**ZX_RULE, "pattern": "(?=foo)"})
         bad_type = await http.post("/admin/rules", headers=A, json={**ZX_RULE, "block_type": "poem"})
         listed = (await http.get("/admin/rules", headers=A)).json()
     assert (broken.status_code, broken.json()["code"]) == (422, "invalid_rule")
-    assert broken.json()["detail"] == (
-        "rule 'zx_ticket' refused: does not compile: missing ), unterminated subpattern at position 0"
+    assert broken.json()["detail"] == "rule 'zx_ticket' refused: not RE2 syntax: missing ): (ZX"
+    assert (lookahead.status_code, lookahead.json()["code"]) == (422, "invalid_rule")
+    assert lookahead.json()["detail"] == (
+        "rule 'zx_ticket' refused: not RE2 syntax: invalid perl operator: (?= "
+        "(RE2 has no lookarounds or backreferences)"
     )
     assert (empty.status_code, empty.json()["code"]) == (422, "invalid_rule")
     assert empty.json()["detail"] == "rule 'zx_ticket' refused: can match the empty string (at 0 in '')"

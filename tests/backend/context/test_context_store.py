@@ -171,3 +171,20 @@ async def test_the_rule_cache_compiles_once_and_again_after_a_change(maker: asyn
     async with maker() as db:
         third = await cache.get(db, tenant_id)
     assert third is not second and "sku" not in [r.name for r in third.rules]
+
+
+async def test_a_stored_rule_that_re2_refuses_is_left_out_and_logged_not_fatal(
+    maker: async_sessionmaker[AsyncSession], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tenant rule stored before RE2 (a lookbehind) no longer compiles: the chat keeps the tenant's other rules."""
+    async with maker() as db, db.begin():
+        tenant_id, _ = await _tenant_and_session(db)
+        db.add(SplitterRule(tenant_id=tenant_id, name="old", pattern="(?<!x)y", block_type="code", priority=1))
+    with caplog.at_level("WARNING", logger="kvchat.context"):
+        async with maker() as db:
+            rules = await store.RuleSetCache().get(db, tenant_id)
+    assert [r.name for r in rules.rules] == [r.name for r in RuleSet.compile(DEFAULT_RULES).rules]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"tenant {tenant_id}: stored rule 'old' refused: not RE2 syntax: invalid perl operator: (?<! "
+        "(RE2 has no lookarounds or backreferences); the chat leaves it out until it is fixed"
+    ]

@@ -1,4 +1,5 @@
-"""Splitter rules: each default rule on English and Chinese text, priority order, and bad rules refused."""
+"""Splitter rules: each default rule on English and Chinese text, priority order, bad rules refused with the reason,
+and each claim of the module's docstring (RE2: linear time, no lookarounds; the ``value`` group; the size cap)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,9 @@ import pytest
 
 from backend.context.blocks import BlockType
 from backend.context.errors import ContextError, InvalidRuleError
-from backend.context.rules import DEFAULT_RULES, Rule, RuleSet, compile_rule
+from backend.context.rules import DEFAULT_RULES, MAX_PROGRAM_SIZE, Rule, RuleSet, compile_rule
 
 RULES = RuleSet.compile(DEFAULT_RULES)
-PANGRAM = "The quick brown fox jumps over the lazy dog? 0123456789 #@-_.,:;!()[]{}"
 
 
 @pytest.mark.parametrize(
@@ -59,6 +59,13 @@ PANGRAM = "The quick brown fox jumps over the lazy dog? 0123456789 #@-_.,:;!()[]
         ("call me on 9876543210", "phone", BlockType.IDENTIFIER),
         ("my number is +91 98765 43210", "phone", BlockType.IDENTIFIER),
         ("手机 13812345678 可以联系我", "phone", BlockType.IDENTIFIER),
+        ("手机：１３８１２３４５６７８", "phone", BlockType.IDENTIFIER),  # full-width digits are digits
+        ("9876543210", "phone", BlockType.IDENTIFIER),  # the text's edges stand for the lookarounds' "nothing"
+        ("ticket no. 4821-77", "account_or_ticket", BlockType.IDENTIFIER),  # digit first
+        ("case ABCD9 again", "account_or_ticket", BlockType.IDENTIFIER),  # the digit last, five characters
+        ("refund A1BCD", "account_or_ticket", BlockType.IDENTIFIER),  # the digit second
+        ("邮箱 张三@例子.中国", "email", BlockType.IDENTIFIER),  # Unicode letters, as Python's \w had them
+        ("1.Open the Orders page", "step_numbered", BlockType.STEP),  # no space after the dot
         # code / JSON
         ("```python\nprint(1)\n```", "code_fence", BlockType.CODE),
         ('{"order": "123", "items": [1, 2]}', "json_object", BlockType.CODE),
@@ -78,6 +85,11 @@ def test_each_default_rule_claims_its_text(text: str, rule: str, block_type: Blo
         "It costs 1,299 rupees and came in 2 boxes.",  # small numbers are not identifiers
         "I bought the WH-1000XM4 headphones.",  # a product model, not an identifier
         "Version 3.2 of the app crashes.",  # a number after "version" is no clause reference
+        "手机13812345678",  # digits glued to a Chinese word are part of it (Python's Unicode \w)
+        "call 9876543210abc",  # letters glued to the digits: not a phone number
+        "1.5 kg of rice",  # a digit right after the dot: a decimal, not a step
+        "case ABCDEF is open",  # no digit: not an identifier
+        "ticket A12B",  # four characters: too short
     ],
 )
 def test_plain_text_is_claimed_by_no_rule(text: str) -> None:
@@ -106,20 +118,37 @@ def test_refs_and_identifiers_are_found_in_text() -> None:
     assert RULES.find_all("phone 9876543210", BlockType.IDENTIFIER, skip=frozenset({"phone"})) == []
 
 
+LOOKAROUNDS = "(RE2 has no lookarounds or backreferences)"
+TOO_LARGE = f"compiles to 11204 RE2 instructions; the limit is {MAX_PROGRAM_SIZE} (simplify the pattern)"
+
+
 @pytest.mark.parametrize(
     ("pattern", "reason"),
     [
-        ("(unclosed", "does not compile: missing ), unterminated subpattern at position 0"),
-        ("[a-", "does not compile: unterminated character set at position 0"),
+        ("(unclosed", "not RE2 syntax: missing ): (unclosed"),
+        ("[a-", "not RE2 syntax: missing ]: [a-"),
+        ("(?=x)", f"not RE2 syntax: invalid perl operator: (?= {LOOKAROUNDS}"),
+        ("x(?!y)", f"not RE2 syntax: invalid perl operator: (?! {LOOKAROUNDS}"),
+        ("(?<=x)y", f"not RE2 syntax: invalid perl operator: (?<= {LOOKAROUNDS}"),
+        ("(?<!x)y", f"not RE2 syntax: invalid perl operator: (?<! {LOOKAROUNDS}"),
+        (r"(a)\1", rf"not RE2 syntax: invalid escape sequence: \1 {LOOKAROUNDS}"),
+        ("a{1001}", "not RE2 syntax: invalid repetition size: {1001}"),
+        (".{1000}.{400}", TOO_LARGE),
         (r"\d*", "can match the empty string (at 0 in '')"),
         ("a|", "can match the empty string (at 0 in '')"),
-        (r"\b", f"can match the empty string (at 0 in {PANGRAM!r})"),
-        ("(?=x)", f"can match the empty string (at 18 in {PANGRAM!r})"),
         ("^", "can match the empty string (at 0 in '')"),
+        (r"\B", "can match the empty string (at 0 in '')"),
+        (r"\b", "can match the empty string (at 0 in 'a')"),
+        (r"\b$", "can match the empty string (at 1 in 'a')"),  # only after a word character, at the end
+        (r"(?m)^$", "can match the empty string (at 0 in '')"),
+        (r"x*\b\n", None),  # never empty: the newline is always there
     ],
 )
-def test_a_bad_rule_is_refused_with_its_reason(pattern: str, reason: str) -> None:
+def test_a_bad_rule_is_refused_with_its_reason(pattern: str, reason: str | None) -> None:
     bad = Rule("bad", pattern, BlockType.CONTEXT, 1)
+    if reason is None:
+        RuleSet.compile([*DEFAULT_RULES, bad])
+        return
     with pytest.raises(InvalidRuleError) as refused:
         RuleSet.compile([*DEFAULT_RULES, bad])
     assert (refused.value.code, refused.value.rule, refused.value.reason) == ("invalid_rule", "bad", reason)
@@ -131,3 +160,42 @@ def test_every_default_rule_compiles() -> None:
     for rule in DEFAULT_RULES:
         compile_rule(rule)
     assert len({r.name for r in DEFAULT_RULES}) == len(DEFAULT_RULES)
+
+
+HOSTILE = "a" * 10_000 + "!"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "found"),
+    [
+        (r"(a+)+$", []),
+        (r"(\w+\s?)+$", []),
+        (r"^(([a-z])+.)+[A-Z]([a-z])+$", []),
+        (r"(.*a){20}", [HOSTILE * 3 + "a" * 10_000]),  # to the last "a"
+    ],
+)
+def test_patterns_that_backtrack_exponentially_match_in_linear_time(pattern: str, found: list[str]) -> None:
+    """The issue's ReDoS rules: with a backtracking engine each of these texts would take longer than the test
+    suite's timeout (27 a's took 11.7 s, each further one doubles it); RE2 answers at once."""
+    rules = RuleSet.compile([Rule("redos", pattern, BlockType.CODE, 1)])
+    text = HOSTILE * 4
+    assert (rules.classify(text) is not None) == bool(found)
+    assert rules.find_all(text, BlockType.CODE) == found
+
+
+def test_the_value_group_is_what_a_rule_finds_and_the_next_search_resumes_at_its_end() -> None:
+    """The phone rule consumes the character after the number to check it is no word character; that character
+    is still there for the next number, as a lookahead would have left it."""
+    assert RULES.find_all("9876543210/9876543211 or +91 98765 43212.", BlockType.IDENTIFIER) == [
+        "9876543210",
+        "9876543211",
+        "+91 98765 43212",
+    ]
+    rules = RuleSet.compile([Rule("a", "x(?P<value>y)z", BlockType.CODE, 1), Rule("b", "yz", BlockType.CODE, 0)])
+    assert rules.find_all("xyz xyz", BlockType.CODE) == ["y", "y", "yz", "yz"]
+
+
+def test_the_largest_default_rule_is_well_under_the_size_cap() -> None:
+    sizes = {r.name: compile_rule(r).program_size for r in DEFAULT_RULES}
+    assert max(sizes.values()) < MAX_PROGRAM_SIZE // 2
+    assert sizes["question_en"] < sizes["phone"]  # sizes are RE2 instructions, not characters
