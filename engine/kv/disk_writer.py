@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.kv.block_hash import BlockHash
-from engine.kv.disk_store import DiskBlock, DiskStore
+from engine.kv.disk_format import DiskBlock
+from engine.kv.disk_store import DiskStore
 
 if TYPE_CHECKING:
     import torch

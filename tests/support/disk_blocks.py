@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.kv.block_hash import BlockHash, hash_block, root_hash
-from engine.kv.disk_store import DiskBlock, LoadedBlock
+from engine.kv.disk_format import DiskBlock, LoadedBlock
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 2, 2, 8, 4
 FINGERPRINT = "test-model"

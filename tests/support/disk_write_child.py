@@ -14,7 +14,8 @@ import sys
 import numpy as np
 
 from engine.kv.block_hash import BlockHash, hash_block, root_hash
-from engine.kv.disk_store import DiskBlock, DiskStore
+from engine.kv.disk_format import DiskBlock
+from engine.kv.disk_store import DiskStore
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 4, 4, 32, 16
 FINGERPRINT = "kill-test-model"

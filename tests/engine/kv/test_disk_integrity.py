@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kv import disk_store
-from engine.kv.disk_store import INDEX_NAME, QUARANTINE_DIR, DiskStore
+from engine.kv import disk_format
+from engine.kv.disk_index import INDEX_NAME
+from engine.kv.disk_policy import QUARANTINE_DIR
+from engine.kv.disk_store import DiskStore
 from support.disk_blocks import FINGERPRINT, assert_exact, chain, run_kv
 
 BLOCKS = chain(3)
@@ -53,7 +55,7 @@ class Harness:
 @pytest.fixture
 def harness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
     # NOTE: durability is test_disk_kill's subject; here fsync would be 2/3 of the run time for ~4,000 writes.
-    monkeypatch.setattr(disk_store.os, "fsync", lambda fd: None)
+    monkeypatch.setattr(disk_format.os, "fsync", lambda fd: None)
     h = Harness(tmp_path)
     yield h
     assert len(list((tmp_path / QUARANTINE_DIR).iterdir())) <= 32  # the quarantine stays bounded

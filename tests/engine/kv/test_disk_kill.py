@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.kv.block_hash import hash_block
-from engine.kv.disk_store import FILE_SUFFIX
+from engine.kv.disk_format import FILE_SUFFIX
 from support import disk_write_child as child
 
 KILLS = 50

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from engine.kv.block_hash import root_hash
-from engine.kv.disk_store import INDEX_NAME, QUARANTINE_DIR, DiskStore, DiskStoreInUse
+from engine.kv.disk_index import INDEX_NAME
+from engine.kv.disk_policy import QUARANTINE_DIR
+from engine.kv.disk_store import DiskStore, DiskStoreInUse
 from engine.kv.disk_writer import DiskWriter
 from support.disk_blocks import FINGERPRINT, assert_exact, bits, block_kv, chain, run_kv
 
