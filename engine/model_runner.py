@@ -8,6 +8,7 @@ attend to them, because every attended position ``< start_pos + len`` was writte
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,20 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.spec, self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's K/V, all layers (what a tier copies per block)."""
+        return self.kv_bytes_per_token * self.block_size
+
+    def kv_fingerprint(self, model_fingerprint: str, quantization: str | None, packed_weights: bool) -> str:
+        """What K/V on disk must match to be reused: the model and tokenizer (``model_fingerprint``), and everything
+        that changes K/V bits (dtype, weight quantization, block geometry, the CPU's kernel family)."""
+        cpu = torch.backends.cpu.get_cpu_capability() if self.device.type == "cpu" else str(self.device)
+        dtype = str(self.dtype).removeprefix("torch.")
+        parts = [model_fingerprint, dtype, str(quantization), str(packed_weights), cpu]
+        parts += [str(self.block_size), str(self.kv_bytes_per_token)]
+        return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
     @torch.inference_mode()
     def forward(self, items: list[BatchItem]) -> torch.Tensor:

@@ -278,7 +278,9 @@ class Faults:
     * ``corrupt_kv``: a forward pass writes NaN into the K/V slots it computed for these requests, then raises;
     * ``sample_requests``: sampling the row of these requests raises;
     * ``step_delay_s``: every forward pass takes this much longer (a slow model, so a test can hold the engine full
-      without depending on how fast this CPU is).
+      without depending on how fast this CPU is);
+    * ``disk_removal_delay_s``: deleting each disk-tier file takes this much longer (a slow disk, so a test can show
+      that disk work never holds up the step loop).
 
     ``forward_batches`` records the request ids of every forward pass, in order, for assertions.
     """
@@ -289,17 +291,20 @@ class Faults:
     corrupt_kv: set[str] = field(default_factory=set)
     sample_requests: set[str] = field(default_factory=set)
     step_delay_s: float = 0.0
+    disk_removal_delay_s: float = 0.0
+    disk_removals: int = 0
     forward_batches: list[tuple[str, ...]] = field(default_factory=list)
     _runner: ModelRunner | None = field(default=None, repr=False)
 
     def install(self, engine: LLMEngine) -> Faults:
-        """Hook into a loaded engine's model runner and sampler (``engine.load()`` or ``start()`` first)."""
+        """Hook into a loaded engine's model runner, sampler and disk tier (``engine.load()`` or ``start()`` first)."""
         # NOTE: the one place that reaches into the engine's parts; the hooks are their documented test seams.
         runner, sampler = engine._runner, engine._sampler
         if runner is None or sampler is None:
             raise RuntimeError("load the engine before installing faults")
         runner.fault_hook = self._after_forward
         sampler.fault_hook = self._before_sample
+        engine.core.cache.on_disk_removal(self._before_disk_removal)
         self._runner = runner
         return self
 
@@ -331,6 +336,11 @@ class Faults:
         bs = self._runner.block_size
         for pos in range(item.start_pos, item.start_pos + len(item.token_ids)):
             self._runner.kv_pool[:, :, item.block_table[pos // bs], pos % bs] = float("nan")
+
+    def _before_disk_removal(self, name: str) -> None:
+        self.disk_removals += 1
+        if self.disk_removal_delay_s > 0:
+            time.sleep(self.disk_removal_delay_s)
 
     def _before_sample(self, state: SamplerState) -> None:
         if state.request_id in self.sample_requests:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from engine.kv.block_hash import BlockHash, hash_block, hash_chain
 from engine.kv.block_meta import BlockMeta, SpanMap
-from engine.kv.block_pool import BlockPool, EvictedBlock, KVBlock
+from engine.kv.block_pool import BlockPool, EvictedBlock, KVBlock, VictimChooser
 from engine.kv.cache_stats import CacheStats, CacheStatsRecorder
 
 
@@ -316,6 +316,20 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ tiers (engine.kv.tiers drives these)
 
+    def capture_evictions(self, on: bool) -> None:
+        """Record each published block handed out for new content (for ``take_evicted``), or stop and forget them."""
+        self.pool.capture_evictions = on
+        if not on:
+            self.pool.evicted.clear()
+
+    def take_evicted(self) -> list[EvictedBlock]:
+        """The blocks recorded since the last call (read their K/V before the next forward pass overwrites it)."""
+        records, self.pool.evicted = self.pool.evicted, []
+        return records
+
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.pool.cached
+
     def take_blocks(self, n: int) -> list[int]:
         """Take ``n`` free blocks (ref 1 each) for content promoted from a lower tier; the caller checked there are."""
         return [block.block_id for block in self.pool.get_new_blocks(n)]
@@ -365,6 +379,14 @@ class KVCacheManager:
         """Hashes of the cached blocks of ``root`` that a request of session ``owner`` published."""
         deps = self.pool.deps
         return [h for h, b in self.pool.cached.items() if b.owner == owner and deps.root_of(h) == root]
+
+    def set_chooser(self, chooser: VictimChooser | None) -> None:
+        """Which free block a new allocation takes (``engine.kv.eviction``); None: the LRU head."""
+        self.pool.chooser = chooser
+
+    @property
+    def num_pinned(self) -> int:
+        return self.pool.num_pinned
 
     def pin(self, hashes: Sequence[BlockHash]) -> None:
         self.pool.pin(hashes)

@@ -22,15 +22,19 @@ from typing import TYPE_CHECKING, Protocol
 from engine.kv.block_hash import BlockHash, hash_chain
 from engine.kv.block_pool import EvictedBlock
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.tier_config import CacheSettings
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.kv.disk_store import DiskStore, LoadedBlock
+    from engine.kv.disk_format import LoadedBlock
+    from engine.kv.disk_store import DiskStore, RemovalHook
     from engine.kv.disk_writer import DiskWriter
-    from engine.sequence import Sequence as Seq
 
 log = logging.getLogger("kvchat.engine.tiers")
+
+
+_MAX_PENDING_BYTES = 256 * 1024 * 1024  # K/V copies waiting for the disk writer
 
 
 class BlockIO(Protocol):
@@ -39,6 +43,26 @@ class BlockIO(Protocol):
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None: ...
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's K/V (all layers)."""
+        ...
+
+
+class Prefetchable(Protocol):
+    """What promotion needs of a waiting request (``engine.sequence.Sequence`` is one): its chain root and tokens, a
+    flag that holds it back while its blocks load, and the hashes loaded for it."""
+
+    root: BlockHash
+    loading: bool
+    promoted: frozenset[BlockHash]
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +82,7 @@ class TierStats:
 
 @dataclass(slots=True)
 class _Load:
-    seq: Seq
+    seq: Prefetchable
     hashes: list[BlockHash]
     loaded: list[LoadedBlock] | None = None
 
@@ -75,13 +99,13 @@ class DiskTier:
         self._done_lock = threading.Lock()
         self.promoted_blocks = 0
         self.demoted_blocks = 0
-        kv.pool.capture_evictions = True
+        kv.capture_evictions(True)
 
     # ------------------------------------------------------------------ demotion (step thread / engine lock)
 
     def demote(self, records: Sequence[EvictedBlock]) -> int:
         """Copy the K/V of these blocks out of the pool now and queue them for the disk. Returns blocks queued."""
-        from engine.kv.disk_store import DiskBlock  # NOTE: here: the backend imports this module without torch
+        from engine.kv.disk_format import DiskBlock  # NOTE: here: the backend imports this module without numpy
 
         todo = [r for r in records if not self.store.contains(r.block_hash)]
         if not todo:
@@ -95,9 +119,8 @@ class DiskTier:
 
     def drain_evictions(self) -> None:
         """Demote the published blocks that allocations just handed out (before the forward pass overwrites them)."""
-        pool = self._kv.pool
-        if pool.evicted:
-            records, pool.evicted = pool.evicted, []
+        records = self._kv.take_evicted()
+        if records:
             self.demote(records)
 
     def sweep_idle(self, older_than: float, limit: int | None = None) -> int:
@@ -114,14 +137,13 @@ class DiskTier:
 
     # ------------------------------------------------------------------ promotion
 
-    def start_prefetch(self, seq: Seq) -> bool:
+    def start_prefetch(self, seq: Prefetchable) -> bool:
         """Start loading the disk blocks that extend ``seq``'s memory prefix. True when ``seq`` must wait for them."""
         bs = self._kv.block_size
         tokens = seq.all_token_ids
         chain = hash_chain(seq.root, tokens[: ((len(tokens) - 1) // bs) * bs], bs)
-        pool = self._kv.pool
         first = 0
-        while first < len(chain) and chain[first] in pool.cached:
+        while first < len(chain) and self._kv.is_cached(chain[first]):
             first += 1
         wanted: list[BlockHash] = []
         for block_hash in chain[first:]:
@@ -160,10 +182,9 @@ class DiskTier:
     def _install(self, job: _Load) -> None:
         import torch
 
-        pool = self._kv.pool
-        loaded = [b for b in job.loaded or [] if b.block.block_hash not in pool.cached]
+        loaded = [b for b in job.loaded or [] if not self._kv.is_cached(b.block.block_hash)]
         # NOTE: never take the whole pool: leave room for the request's own tail and for the running requests.
-        room = max(0, pool.num_free_blocks - self._kv.blocks_needed(job.seq.num_tokens) - 1)
+        room = max(0, self._kv.num_free_blocks - self._kv.blocks_needed(job.seq.num_tokens) - 1)
         loaded = loaded[:room]
         if not loaded:
             return
@@ -189,7 +210,26 @@ class DiskTier:
     # ------------------------------------------------------------------ removal, stats, shutdown
 
     def remove(self, hashes: Sequence[BlockHash], root: BlockHash, protected: set[BlockHash]) -> int:
+        """Remove these blocks' disk copies and their descendants' (file I/O: never under the engine's lock)."""
         return self.store.remove(hashes, root=root, protected=protected) if hashes else 0
+
+    def remove_root(self, root: BlockHash) -> int:
+        """Remove a whole namespace from disk (file I/O: never under the engine's lock)."""
+        return self.store.remove_root(root)
+
+    def expire(self) -> int:
+        """Apply the disk TTL (file I/O: never under the engine's lock)."""
+        return self.store.expire()
+
+    def apply(self, settings: CacheSettings) -> None:
+        """Take the disk limits of ``settings``; a lower cap deletes files at once (never under the engine's lock)."""
+        self.store.set_limits(
+            max_bytes=settings.disk_max_bytes, min_free_bytes=settings.min_free_bytes, ttl_s=settings.disk_ttl_s
+        )
+
+    def on_removal(self, hook: RemovalHook | None) -> None:
+        """A test seam: ``hook`` runs before each disk file is deleted (``engine.testing.Faults``)."""
+        self.store.fault_hook = hook
 
     def erase_owner(self, owner: str, hashes: Sequence[BlockHash], root: BlockHash, protected: set[BlockHash]) -> int:
         """Erasure: wait for queued writes (so none lands after this), then remove the session's disk blocks."""
@@ -208,6 +248,28 @@ class DiskTier:
         self._loader.shutdown(wait=True)
         self.writer.close()
         self.store.close()
+
+
+def open_disk_tier(
+    directory: str, fingerprint: str, settings: CacheSettings, kv: KVCacheManager, io: BlockIO, wake: Callable[[], None]
+) -> DiskTier:
+    """Open the disk store in ``directory`` for K/V of ``fingerprint`` (``engine.model_runner.kv_fingerprint``), its
+    writer, and the tier over ``kv``'s pool. ``wake`` wakes the step loop when a load is in."""
+    from engine.kv.disk_store import DiskStore
+    from engine.kv.disk_writer import DiskWriter
+
+    store = DiskStore(
+        directory,
+        fingerprint,
+        max_bytes=settings.disk_max_bytes,
+        min_free_bytes=settings.min_free_bytes,
+        ttl_s=settings.disk_ttl_s,
+    )
+    log.info("disk tier at %s: %d blocks from earlier runs", directory, len(store))
+    # NOTE: a bounded queue: each pending block holds a copy of its K/V in RAM (368 KiB for SmolLM2 in bf16)
+    block_bytes = max(1, io.block_bytes)
+    writer = DiskWriter(store, max_pending_blocks=max(64, min(1024, _MAX_PENDING_BYTES // block_bytes)))
+    return DiskTier(store, writer, kv, io, wake)
 
 
 def memory_only_stats(memory_used: int, memory_cached: int, pinned: int) -> TierStats:

@@ -12,9 +12,11 @@ import asyncio
 import dataclasses
 import random
 import threading
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -443,3 +445,90 @@ async def test_stop_during_a_load_makes_start_fail_and_a_new_start_works(
         assert final.stats.completion_tokens == 2
     finally:
         await engine.stop()
+
+
+# ---------------------------------------------------------------------------------------------------- the bridge
+
+
+class TokenizerSpy:
+    """Wraps the engine tokenizer's encoding methods: counts calls, records their threads, can make them slow."""
+
+    METHODS = ("encode", "apply_chat_template", "apply_chat_template_segments")
+
+    def __init__(self, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, delay_s: float = 0.0) -> None:
+        self.calls = 0
+        self.threads: set[int] = set()
+        self.delay_s = delay_s
+        for name in self.METHODS:
+            monkeypatch.setattr(engine.tokenizer, name, self._wrap(getattr(engine.tokenizer, name)))
+
+    def _wrap(self, method: Callable[..., list[int]]) -> Callable[..., list[int]]:
+        def spy(*args: Any, **kwargs: Any) -> list[int]:
+            self.calls += 1
+            self.threads.add(threading.get_ident())
+            time.sleep(self.delay_s)
+            return method(*args, **kwargs)
+
+        return spy
+
+
+@pytest.mark.anyio
+async def test_generate_tokenizes_off_the_event_loop_and_a_tokenized_prompt_never_again(
+    tiny_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = TokenizerSpy(tiny_engine, monkeypatch)
+    params = SamplingParams(max_tokens=4)
+    _, from_text = await collect(tiny_engine.generate("hello there, a prompt in plain text", params))
+    assert spy.calls == 1 and threading.get_ident() not in spy.threads  # tokenized once, in a worker thread
+    tokenized = await asyncio.to_thread(tiny_engine.tokenize_prompt, "hello there, a prompt in plain text")
+    assert spy.calls == 2
+    _, from_ids = await collect(tiny_engine.generate(tokenized, params))
+    assert spy.calls == 2  # a TokenizedPrompt is checked, never tokenized again
+    assert from_ids.token_ids == from_text.token_ids
+    assert from_ids.stats.prompt_tokens == from_text.stats.prompt_tokens == len(tokenized.token_ids)
+
+
+@pytest.mark.anyio
+async def test_an_abort_while_the_request_registers_ends_it_once_registered(
+    tiny_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = TokenizerSpy(tiny_engine, monkeypatch, delay_s=0.3)
+    events: list[GenerationEvent] = []
+    stream = tiny_engine.generate(
+        "a prompt that takes a while to tokenize", SamplingParams(max_tokens=2000), request_id="early"
+    )
+    async with aclosing(stream):
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.1)  # registering: the tokenizer is still busy
+        assert spy.calls == 1 and not first.done()
+        tiny_engine.abort("early")
+        events.append(await first)
+        events += [event async for event in stream]
+    (final,) = events
+    assert isinstance(final, RequestFinished)
+    assert (final.request_id, final.finish_reason, final.token_ids) == ("early", FinishReason.ABORTED, ())
+
+
+@pytest.mark.anyio
+async def test_cancelling_generate_while_it_registers_aborts_the_request_once_registered(
+    tiny_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    TokenizerSpy(tiny_engine, monkeypatch, delay_s=0.3)
+    before = tiny_engine.stats()
+
+    async def consume() -> None:
+        await collect(tiny_engine.generate("cancelled while it registers", SamplingParams(max_tokens=2000)))
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):  # the registration finishes in its thread, then the request is aborted before a step
+        after = tiny_engine.stats()
+        if after.requests_finished > before.requests_finished:
+            break
+        await asyncio.sleep(0.05)
+    assert after.requests_finished == before.requests_finished + 1
+    assert after.generated_tokens == before.generated_tokens and (after.running, after.waiting) == (0, 0)
+    assert after.kv.num_used_blocks == before.kv.num_used_blocks

@@ -1,0 +1,268 @@
+"""The step loop: schedule, run the forward pass, sample, hand each token to its request — with failure isolation.
+
+One step, in order: under the engine lock, apply the aborts queued since the last step, install the blocks loaded
+from disk, schedule, demote the published blocks the schedule handed out; outside it, the forward pass and sampling
+(torch releases the GIL, so callers keep registering meanwhile); under the lock again, fail what failed, advance the
+scheduler (which publishes the filled blocks) and report the tokens.
+
+Failure isolation. One request must never fail the others in its batch. A forward pass that raises is re-run on
+halves of the batch, down to single requests; only a request whose forward fails alone is failed. A row the sampler
+cannot sample (non-finite logits) and a token that fails to detokenize fail that request alone. A failed request's
+blocks written in the failed step are zeroed and freed, and never published to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+from engine.engine_info import EngineInfo, EngineStats
+from engine.errors import EngineError, PromptTooLongError, RequestFailed
+from engine.kv.block_meta import GENERATED, UNTYPED, SpanMap, TokenSpan
+from engine.kv.cache_control import CacheControl
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.openmp import release_thread_pool
+from engine.prompt_encoder import Prompt, PromptEncoder
+from engine.request_table import Request, RequestTable, Sink
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from engine.sequence import Sequence as Seq
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.model_runner import BatchItem, ModelRunner
+    from engine.sampler import Sampler
+
+log = logging.getLogger("kvchat.engine")
+Submission = tuple[Prompt, SamplingParams, str, Sink]  # prompt, params, namespace, sink
+
+INTERNAL_ERROR = "internal engine error (see the server log)"
+
+
+class EngineCore:
+    """The loaded parts of one engine and the step that drives them (``LLMEngine`` is its facade)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        encoder: PromptEncoder,
+        sampler: Sampler,
+        kv: KVCacheManager,
+        scheduler: Scheduler,
+        cache: CacheControl,
+        table: RequestTable,
+        lock: threading.Lock,
+        wakeup: threading.Event,
+    ) -> None:
+        self.runner = runner
+        self.encoder = encoder
+        self.sampler = sampler
+        self.kv = kv
+        self.scheduler = scheduler
+        self.cache = cache
+        self.table = table
+        self._lock = lock
+        self._wakeup = wakeup
+        self._block_size = kv.block_size
+
+    @classmethod
+    def build(
+        cls, runner: ModelRunner, config: EngineConfig, info: EngineInfo, lock: threading.Lock, wakeup: threading.Event
+    ) -> EngineCore:
+        """Wire the parts around a loaded model: tokenizer, pool bookkeeping, scheduler, cache control, requests."""
+        from engine.sampler import Sampler
+        from engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(runner.model_path)
+        pool_tokens = info.num_blocks * info.block_size
+        encoder = PromptEncoder(tokenizer, info.vocab_size, info.max_model_len, pool_tokens)
+        kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        scheduler = Scheduler(SchedulerConfig.from_engine_config(config), kv)
+        cache = CacheControl(kv, info.fingerprint, config.cache_settings, lock, lambda: table.seqs())
+        table = RequestTable(scheduler, cache, info.max_model_len)
+        return cls(runner, encoder, Sampler(runner.device), kv, scheduler, cache, table, lock, wakeup)
+
+    def prepare(self, submission: Submission, rid: str, session: str | None) -> Request:
+        """A request ready to be added: its prompt encoded (outside the lock: it may tokenize) and checked."""
+        from engine.tokenizer import IncrementalDetokenizer
+
+        prompt, params, namespace, sink = submission
+        tokenized = self.encoder.encode(prompt)
+        ids = tokenized.token_ids
+        self.encoder.check_fits(len(ids), params.max_tokens)
+        spans = SpanMap(tokenized.spans or (TokenSpan(0, len(ids), UNTYPED),), fill=GENERATED)
+        seq = Seq(rid, ids, params, self.cache.root(namespace), spans=spans, session=session)
+        state = self.sampler.new_state(params, self.encoder.tokenizer.eos_token_ids, request_id=rid)
+        return Request(seq, state, IncrementalDetokenizer(self.encoder.tokenizer, ids, params.stop), sink)
+
+    def serve(self, stopping: threading.Event) -> None:
+        """The loop thread's body: step while there is work, otherwise wait for a wakeup, until ``stopping``."""
+        pool_held = True
+        while not stopping.is_set():
+            self._wakeup.clear()
+            try:
+                self.cache.maintain()
+                worked = self.step()
+            except Exception:
+                log.exception("engine step failed; failing the requests in flight")
+                self.fail_in_flight()
+                worked = True
+            if worked:
+                pool_held = True
+                continue
+            if pool_held:  # NOTE: an idle pool still counts against every other thread's (engine/openmp.py)
+                release_thread_pool()
+                pool_held = False
+            self._wakeup.wait(0.1)
+        release_thread_pool()
+
+    def run_until_idle(self) -> None:
+        """Drive steps on the calling thread until no work is left (when no loop thread runs: tests, benchmarks)."""
+        try:
+            while True:
+                if self.step():
+                    continue
+                if not self._loading():
+                    break
+                self._wakeup.wait(0.05)  # NOTE: a prefix is loading from disk; the loader wakes us when it is in
+                self._wakeup.clear()
+        except Exception:
+            self.fail_in_flight()
+            raise
+        finally:
+            release_thread_pool()
+
+    def _loading(self) -> bool:
+        with self._lock:
+            return any(seq.loading for seq in self.scheduler.waiting)
+
+    def step(self) -> bool:
+        """One step; False when there was nothing to do."""
+        with self._lock:
+            self.table.apply_aborts()
+            self.cache.install_loaded()
+            out = self.scheduler.schedule()
+            self.cache.drain_evictions()  # NOTE: before the forward pass overwrites the blocks handed out
+            for seq in out.rejected:
+                pool = self.kv.num_blocks * self._block_size
+                error = PromptTooLongError(seq.num_tokens, seq.params.max_tokens, pool, "KV cache pool")
+                self.table.fail(seq.request_id, error)
+        if out.is_empty:
+            return False
+        computed, logits, failed = self._forward_isolated(out.scheduled)
+        sampled = [s for s in computed if s.need_logits]
+        outcomes = self.sampler.sample(logits, [self.table[s.seq.request_id].sampler_state for s in sampled])
+        tokens: list[tuple[Seq, int]] = []
+        for item, outcome in zip(sampled, outcomes, strict=True):
+            if isinstance(outcome, int):
+                tokens.append((item.seq, outcome))
+            else:
+                failed.append((item, outcome.reason))
+        now = time.monotonic()
+        with self._lock:
+            for item, reason in failed:  # NOTE: before update_after_step, so none of their blocks is published
+                self._fail_scheduled(item, reason)
+            self.scheduler.update_after_step(out)
+            self.table.counters.steps += 1
+            for seq, token in tokens:
+                self._on_token_isolated(seq, token, now)
+        return True
+
+    def _forward_isolated(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[list[ScheduledSeq], torch.Tensor, list[tuple[ScheduledSeq, str]]]:
+        """Run the forward pass; when it raises, re-run halves of the batch until the requests that fail alone are
+        found. Returns the items computed, their logits (rows of those needing logits, in order) and the failures.
+
+        NOTE: re-running is safe because nothing has advanced yet: a forward only writes the K/V of positions
+        ``start_pos .. start_pos + n - 1`` of each item into that item's own, not yet published blocks (shared
+        prefix blocks are full and lie before ``start_pos``), and the scheduler's state changes only in
+        ``update_after_step``. A re-run writes the same positions into the same slots before any query reads them
+        (``engine/model/llama.py`` ``_layer`` stores each layer's K/V before it attends).
+        """
+        import torch  # NOTE: not at module level: the backend imports this module and must not pull in torch
+
+        try:
+            items = _batch_items(scheduled)
+            logits = self.runner.forward(items)
+            for s, item in zip(scheduled, items, strict=True):
+                if item.prompt_logprobs is not None:
+                    s.seq.store_prompt_logprobs(s.start_pos, item.prompt_logprobs)
+            return scheduled, logits, []
+        except Exception as exc:  # noqa: BLE001 - isolated below; the culprit's error is logged and reported
+            if len(scheduled) == 1:
+                return [], self._no_logits(), [(scheduled[0], f"forward raised {type(exc).__name__}: {exc}")]
+            log.warning("a forward pass of %d requests failed (%r); re-running it in halves", len(scheduled), exc)
+        half = len(scheduled) // 2
+        first, first_logits, first_failed = self._forward_isolated(scheduled[:half])
+        second, second_logits, second_failed = self._forward_isolated(scheduled[half:])
+        return first + second, torch.cat([first_logits, second_logits]), first_failed + second_failed
+
+    def _no_logits(self) -> torch.Tensor:
+        import torch
+
+        return torch.empty((0, self.runner.vocab_size), dtype=torch.float32)
+
+    def _fail_scheduled(self, item: ScheduledSeq, reason: str) -> None:
+        """Fail one request of the step: zero the blocks the step was writing for it, free them, tell its sink."""
+        rid = item.seq.request_id
+        log.error("request %s failed in an engine step (the rest of the batch goes on): %s", rid, reason)
+        if rid not in self.table:
+            return
+        # NOTE: the failed step may have left NaN or garbage K/V there. Padded attention reads masked slots of
+        # reused blocks and multiplies them by 0, and 0 * NaN is NaN: a later owner of the block must find zeros.
+        bs = self._block_size
+        end = item.start_pos + item.num_new_tokens
+        self.runner.clear_blocks(item.block_table[item.start_pos // bs : -(-end // bs)])
+        self.table.fail(rid, RequestFailed(INTERNAL_ERROR))
+
+    def _on_token_isolated(self, seq: Seq, token: int, now: float) -> None:
+        """``RequestTable.on_token``, failing only this request when detokenizing or reporting its token raises."""
+        try:
+            self.table.on_token(seq, token, now)
+        except Exception as exc:  # one request's detokenizer or sink must not fail the batch
+            log.exception("request %s failed after its token was sampled", seq.request_id)
+            self.table.fail(seq.request_id, RequestFailed(INTERNAL_ERROR), cause=exc)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            c = self.table.counters
+            return EngineStats(
+                running=self.scheduler.num_running,
+                waiting=self.scheduler.num_waiting,
+                kv=self.kv.usage(),
+                requests_finished=c.finished,
+                prompt_tokens=c.prompt_tokens,
+                cached_tokens=c.cached_tokens,
+                generated_tokens=c.generated_tokens,
+                steps=c.steps,
+                cache=self.kv.cache_stats(),
+                tiers=self.cache.tier_stats(),
+            )
+
+    def fail_in_flight(self) -> None:
+        """After a step failed outside the isolated parts (a scheduler bug): fail every request in flight, releasing
+        its blocks, so the engine can serve on."""
+        with self._lock:
+            self.table.fail_all(lambda: EngineError(INTERNAL_ERROR))
+
+
+def _batch_items(scheduled: list[ScheduledSeq]) -> list[BatchItem]:
+    from engine.model_runner import BatchItem
+
+    return [
+        BatchItem(
+            s.token_ids,
+            s.start_pos,
+            s.block_table,
+            s.need_logits,
+            prompt=s.start_pos + s.num_new_tokens <= s.seq.num_prompt_tokens,
+            request_id=s.seq.request_id,
+            logprob_targets=s.seq.logprob_targets(s.start_pos, s.start_pos + s.num_new_tokens),
+        )
+        for s in scheduled
+    ]
