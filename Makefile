@@ -38,9 +38,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench: install
-	$(BIN)/python -m engine.bench.run_all
+	$(BIN)/python -m bench.run_all
 	$(BIN)/python -m bench.topic_shift
 	$(BIN)/python -m bench.context_quality
 

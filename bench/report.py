@@ -2,7 +2,7 @@
 
 ``docs/benchmarks/workload.json`` holds everything measured; ``workload.md`` is the fragment for ``make bench``'s
 ``docs/benchmarks.md`` (with ``--markdown`` it is also written between workload markers of a given file, which
-``engine.bench.run_all`` leaves alone when it rewrites its own blocks); ``workload_ttft_by_turn.png`` and
+``bench.run_all`` leaves alone when it rewrites its own blocks); ``workload_ttft_by_turn.png`` and
 ``workload_throughput.png`` are the plots.
 """
 
@@ -230,7 +230,7 @@ def build_report(
     elapsed_s: float,
 ) -> dict[str, Any]:
     from bench.runners import resolved_dtype
-    from engine.bench.report import machine_info
+    from bench.reporting import machine_info
 
     by_name = {r.system: r for r in results}
     levels = sorted(budgets)

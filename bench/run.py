@@ -1,6 +1,6 @@
 """The workload benchmark program: replay customer-service sessions against kvchat and its peers, write the report.
 
-Reproduce the standard set (what ``make bench`` runs through ``engine.bench.run_all``):
+Reproduce the standard set (what ``make bench`` runs through ``bench.run_all``):
 
     .venv/bin/python -m bench.run --standard
 
@@ -13,7 +13,7 @@ Each system runs in its own process (``bench.driver``), one after the other, nev
 ``.bench-venvs/`` must be installed first (``bench/peers/install.sh``); one that is not installed, or fails to start,
 is reported with its error — never silently skipped. Writes ``docs/benchmarks/workload.json``, ``workload.md``,
 ``workload_ttft_by_turn.png`` and ``workload_throughput.png``; ``--markdown docs/benchmarks.md`` also writes the
-fragment between workload markers there (``engine.bench.run_all`` keeps blocks it does not own).
+fragment between workload markers there (``bench.run_all`` keeps blocks it does not own).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from engine.bench.report import reproduce_command
+    from bench.reporting import reproduce_command
 
     command = reproduce_command(MODULE, argv)
     print(f"reproduce: {command}", flush=True)

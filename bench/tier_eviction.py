@@ -255,7 +255,7 @@ def outputs_agree(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    from engine.bench.report import format_table
+    from bench.reporting import format_table
 
     headers = ["run", "pool blocks", "hit rate", "memory", "disk", "after prefix", "mean TTFT s", "median TTFT s", "s"]
     rows = [
@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from engine.bench.report import reproduce_command
+    from bench.reporting import reproduce_command
 
     started = time.perf_counter()
     config = WorkloadConfig(

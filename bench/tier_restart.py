@@ -221,13 +221,13 @@ def cpu_flags() -> list[str]:
 
 
 def machine(dtype: str, threads: int | None) -> dict[str, Any]:
-    from engine.bench.report import machine_info
+    from bench.reporting import machine_info
 
     return machine_info(dtype, threads) | {"cpu_flags": cpu_flags()}
 
 
 def table(summaries: dict[str, dict[str, Any]]) -> str:
-    from engine.bench.report import format_table
+    from bench.reporting import format_table
 
     headers = ["scenario", "prompt", "warm TTFT s", "cold TTFT s", "warm/cold", "target", "identical", "disk tok"]
     rows = [
@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(argv[2]).write_text(json.dumps(run_child(spec)))
         return 0
     args = build_parser().parse_args(argv)
-    from engine.bench.report import reproduce_command
+    from bench.reporting import reproduce_command
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 

@@ -14,8 +14,7 @@ Data (read from ``--data-dir``, default ``bench/data/``, vendored xz-compressed:
 * ``cucom_ecommerce_dev.jsonl`` — a subset of the CuCom v0.1 e-commerce conversations (vakyansh/cucom), Apache-2.0.
 * ``abcd_guidelines.json`` — the agent handbook of the ABCD dataset (asappresearch/abcd), MIT.
 
-``main(argv)`` is the ``make bench`` hook (``engine.bench.run_all`` calls ``bench.workload.main(["--standard"])``);
-it is ``bench.run.main``.
+``main(argv)`` is ``bench.run.main`` (``make bench`` runs ``bench.run --standard`` through ``bench.run_all``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """ms/step of our paged forward vs HF transformers (DynamicCache), SmolLM2-135M on CPU, at a fixed context.
 
-Reproduce:  .venv/bin/python -m engine.bench.bench_forward [--context 100,2000] [--batch 16] [--steps 10] [--fp32]
+Reproduce:  .venv/bin/python -m bench.forward [--context 100,2000] [--batch 16] [--steps 10] [--fp32]
 
 Prints one row per (implementation, dtype, rows): single-stream decode (1 row) and batched decode (``--batch`` rows,
 each sequence with ``--context`` tokens already cached). Our runner is measured with contiguous block tables (views,

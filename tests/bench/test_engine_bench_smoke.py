@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import bench_engine, run_all
-from engine.bench.report import Summary, TargetResult, format_table
+from bench import engine_bench, run_all
+from bench.reporting import Summary, TargetResult, format_table
 
 TARGET_KEYS = {
     "followup_ttft_vs_hf",
@@ -41,11 +41,11 @@ def test_run_all_quick_writes_json_png_and_the_engine_section(tiny_model_dir: Pa
     data = json.loads((out / "engine.json").read_text())
     assert {t["key"] for t in data["targets"]} == TARGET_KEYS
     assert all(t["ratio"] > 0 for t in data["targets"])
-    assert set(data["sections"]) == set(bench_engine.SECTIONS)
+    assert set(data["sections"]) == set(engine_bench.SECTIONS)
     assert data["errors"] == {}
     assert data["machine"]["dtype"] == "float32"
     assert data["machine"]["torch_threads"] == 2
-    assert data["command"].startswith(".venv/bin/python -m engine.bench.bench_engine --quick")
+    assert data["command"].startswith(".venv/bin/python -m bench.engine_bench --quick")
     # the engine path really reused the cache: the history is a hit, only the new tokens are computed
     followup = data["sections"]["followup"]
     assert followup["engine_cached_tokens"] == [followup["history_tokens"]]
@@ -79,10 +79,10 @@ def test_bench_engine_main_runs_one_section(
 ) -> None:
     argv = [*_quick_argv(tiny_model_dir), "kv", "--json", str(tmp_path / "e.json"), "--png", str(tmp_path / "e.png")]
 
-    assert bench_engine.main(argv) == 0
+    assert engine_bench.main(argv) == 0
 
     printed = capsys.readouterr().out
-    assert "reproduce: .venv/bin/python -m engine.bench.bench_engine --quick" in printed
+    assert "reproduce: .venv/bin/python -m bench.engine_bench --quick" in printed
     data = json.loads((tmp_path / "e.json").read_text())
     assert {t["key"] for t in data["targets"]} == {"kv_bytes_per_token_vs_theory", "shared_prefix_copies"}
     assert data["sections"]["kv"]["measured_bytes_per_token"] == data["sections"]["kv"]["theoretical_bytes_per_token"]
@@ -90,7 +90,7 @@ def test_bench_engine_main_runs_one_section(
 
 def test_unknown_section_is_a_usage_error(tiny_model_dir: Path) -> None:
     with pytest.raises(SystemExit):
-        bench_engine.run([*_quick_argv(tiny_model_dir), "nonsense"])
+        engine_bench.run([*_quick_argv(tiny_model_dir), "nonsense"])
 
 
 def test_workload_missing_or_skipped_is_reported_not_raised() -> None:
@@ -115,13 +115,13 @@ def test_report_helpers() -> None:
 def test_a_failing_section_is_reported_and_the_others_still_count(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def boom(self: bench_engine.Bench) -> None:
+    def boom(self: engine_bench.Bench) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(bench_engine.Bench, "kv", boom)
+    monkeypatch.setattr(engine_bench.Bench, "kv", boom)
     json_path, png_path = tmp_path / "e.json", tmp_path / "e.png"
     argv = [*_quick_argv(tiny_model_dir), "prefill", "kv", "--json", str(json_path), "--png", str(png_path)]
-    assert bench_engine.main(argv) == 1
+    assert engine_bench.main(argv) == 1
     data = json.loads(json_path.read_text())
     assert data["errors"] == {"kv": "RuntimeError: boom"}
     assert [t["key"] for t in data["targets"]] == ["cold_prefill_vs_hf"]
