@@ -260,7 +260,7 @@ class ChatService:
             raise ShuttingDownError("the server is restarting; send the message again once reconnected")
         self._submitting += 1  # NOTE: drain waits for these too, so a turn decided mid-drain is not lost
         try:
-            await self._check_answerable(_prefix_text(tenant), frame.text)
+            await self._check_answerable(tenant.id, _prefix_text(tenant), frame.text)
             await self._store_and_start(tenant, session_id, frame, reply_to)
         finally:
             self._submitting -= 1
@@ -308,13 +308,13 @@ class ChatService:
             topic = Topic(epoch=update.epoch, temperature=update.temperature)
             self.hub.publish(session_id, SessionTopicFrame(session_id=session_id, seq=message.seq, topic=topic))
 
-    async def _check_answerable(self, system_prompt: str, text: str) -> None:
+    async def _check_answerable(self, tenant_id: str, system_prompt: str, text: str) -> None:
         """Refuse a message that could never be answered: with the system prompt and a reply it exceeds the budget."""
         messages = [*_system(system_prompt), {"role": MessageRole.USER.value, "content": text}]
         floor = self._engine.prompt_token_floor(m["content"] for m in messages)
         if floor > self._budget():  # NOTE: too long by its length alone: no need to spend the CPU on tokenizing it
             raise MessageTooLongError(floor, self._budget(), at_least=True)
-        tokens = len(await run_cpu(self._engine.tokenize, messages))
+        tokens = len(await run_cpu(tenant_id, self._engine.tokenize, messages))
         if tokens > self._budget():
             raise MessageTooLongError(tokens, self._budget())
 
@@ -393,7 +393,7 @@ class ChatService:
             lambda db: self.context.load(db, turn.tenant_id, turn.session_id),
         )
         # NOTE: runs in a worker thread: a long history is tokenized several times while the budget is searched.
-        prepared = await run_cpu(self.context.prepare, ctx, turn.user_seq, self._budget())
+        prepared = await run_cpu(turn.tenant_id, self.context.prepare, ctx, turn.user_seq, self._budget())
         turn.namespace = prepared.namespace
         turn.topic = Topic(epoch=prepared.epoch, temperature=prepared.temperature)
         await self._invalidate_dropped(turn, prepared)
@@ -450,7 +450,16 @@ class ChatService:
                 self._engine.abort(turn.request_id)
 
         submitting = asyncio.ensure_future(
-            run_cpu(self._engine.submit, prompt, params, turn.namespace, sink, turn.request_id, turn.session_id)
+            run_cpu(
+                turn.tenant_id,
+                self._engine.submit,
+                prompt,
+                params,
+                turn.namespace,
+                sink,
+                turn.request_id,
+                turn.session_id,
+            )
         )
         done = False
         try:

@@ -2,6 +2,7 @@
 
 ContextError                 code
 ├── InvalidRuleError         invalid_rule      a splitter rule does not compile or can match the empty string
+│   └── RuleLimitError       rule_limit        the tenant's rules would pass a cap (their number, their size)
 ├── UnknownBackendError      unknown_backend   a similarity backend name that is not registered
 ├── BackendUnavailableError  backend_unavailable  the backend's package (the embedding model) is not installed
 └── InvalidSettingsError     invalid_settings  topic thresholds out of range
@@ -23,6 +24,12 @@ class InvalidRuleError(ContextError):
         super().__init__(f"rule {rule!r} refused: {reason}")
         self.rule = rule
         self.reason = reason
+
+
+class RuleLimitError(InvalidRuleError):
+    """A rule that compiles, refused because the tenant's rules would pass a cap."""
+
+    code = "rule_limit"
 
 
 class UnknownBackendError(ContextError):

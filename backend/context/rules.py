@@ -92,6 +92,17 @@ def compile_rule(rule: Rule) -> CompiledRule:
     return CompiledRule(rule, regex, size)
 
 
+def program_sizes(patterns: Iterable[str]) -> list[int]:
+    """The RE2 program size of each pattern (0 for one RE2 refuses: a stored rule the chat leaves out)."""
+    sizes = []
+    for pattern in patterns:
+        try:
+            sizes.append(int(re2.compile(pattern, _OPTIONS).programsize))
+        except re2.error:
+            sizes.append(0)
+    return sizes
+
+
 def _reason(exc: Exception) -> str:
     raw = exc.args[0] if exc.args else exc
     reason = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)

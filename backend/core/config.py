@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     ws_rate_burst: int = Field(default=10, ge=1)
     max_connections_per_tenant: int = Field(default=200, ge=1)
     max_connections_per_client: int = Field(default=20, ge=1)  # per customer ref, else per IP address
+    # A tenant's own splitter rules: how many, and their RE2 programs' size summed (instructions; bounds their cost).
+    max_rules_per_tenant: int = Field(default=200, ge=0)
+    max_rules_program_size: int = Field(default=50_000, ge=0)
     # A socket whose unsent frames pass either bound is closed (1008): a client that stops reading.
     ws_max_queued_frames: int = Field(default=1024, ge=16)
     ws_max_queued_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024)

@@ -1,25 +1,111 @@
 """CPU-bound backend work (rendering and tokenizing prompts, splitting messages, topic similarity), off the event
-loop and one job at a time.
+loop, fair across tenants.
 
-NOTE: one worker, not ``asyncio.to_thread``'s pool: this work is Python holding the GIL, so several threads would not
-run it faster, and each would take the GIL from the event loop in turn. Measured with four 0.9 MiB prompts at once,
-parallel threads stalled ``/livez`` up to 250 ms (p99); a single worker leaves the loop a GIL share it can count on.
+``run_cpu(owner, fn, ...)`` queues ``fn`` behind the owner's (a tenant's) earlier jobs. A bounded pool of worker
+threads serves the owners in turn: each worker takes the next owner in line, runs one of its jobs, and puts the owner
+back at the end of the line if it has more. An owner never has two jobs running at once, so one tenant's slow message
+holds at most one worker, and the other tenants' turns go on the other workers meanwhile.
+
+NOTE: why a small pool of threads, not one worker and not ``asyncio.to_thread``'s pool. One worker runs jobs in
+arrival order, so a tenant's slow message delayed every tenant queued behind it (issue 28: 11.7 s). Many threads
+would each take the GIL from the event loop in turn: with four 0.9 MiB prompts tokenized in parallel threads,
+``/livez`` stalled up to 250 ms (p99). The slow parts that remain, RE2 matching and the tokenizer's encoding, run
+without the GIL; ``bench/fairness.py`` measures the delay one tenant's hostile message adds to another's turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import threading
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
-_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvchat-cpu")
+WORKERS = 3
+"""Threads of the shared pool: enough that two owners with slow jobs still leave one for everyone else."""
+
+SHARED = ""
+"""The owner of work that belongs to no tenant."""
 
 
-async def run_cpu(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """Run ``fn`` on the backend's CPU worker and wait for it without blocking the loop."""
-    return await asyncio.get_running_loop().run_in_executor(_WORKER, functools.partial(fn, *args, **kwargs))
+@dataclass(slots=True)
+class _Job:
+    call: Callable[[], Any]
+    future: Future[Any] = field(default_factory=Future)
+
+
+class FairExecutor:
+    """Worker threads serving one FIFO queue per owner, owners in turn, at most one running job per owner."""
+
+    def __init__(self, workers: int, name: str = "kvchat-cpu") -> None:
+        if workers < 1:
+            raise ValueError("a FairExecutor needs at least one worker")
+        self._workers = workers
+        self._name = name
+        self._cond = threading.Condition()
+        self._queues: dict[str, deque[_Job]] = {}  # owners with a job queued or running
+        self._line: deque[str] = deque()  # owners with a job queued and none running, in turn order
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, owner: str, call: Callable[[], T]) -> Future[T]:
+        """Queue ``call`` behind the owner's earlier jobs; cancelling the future before it starts skips it."""
+        job = _Job(call)
+        with self._cond:
+            self._start_threads()
+            queue = self._queues.get(owner)
+            if queue is None:
+                self._queues[owner] = deque([job])
+                self._line.append(owner)
+                self._cond.notify()
+            else:
+                queue.append(job)  # NOTE: the owner is in line already, or its running job puts it back
+        return job.future
+
+    def queued(self) -> dict[str, int]:
+        """Jobs queued or running, per owner (for tests and metrics)."""
+        with self._cond:
+            return {owner: len(queue) for owner, queue in self._queues.items()}
+
+    def _start_threads(self) -> None:
+        while len(self._threads) < self._workers:
+            thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._line:
+                    self._cond.wait()
+                owner = self._line.popleft()
+                job = self._queues[owner][0]
+            if job.future.set_running_or_notify_cancel():
+                try:
+                    result = job.call()
+                except BaseException as exc:  # noqa: BLE001 (handed to the caller, who raises it)
+                    job.future.set_exception(exc)
+                else:
+                    job.future.set_result(result)
+            with self._cond:
+                queue = self._queues[owner]
+                queue.popleft()
+                if queue:
+                    self._line.append(owner)  # NOTE: at the end of the line: the owners take turns
+                    self._cond.notify()
+                else:
+                    del self._queues[owner]
+
+
+_POOL = FairExecutor(WORKERS)
+
+
+async def run_cpu(owner: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run ``fn`` on the shared pool, after the earlier jobs of ``owner`` (a tenant id, or ``SHARED``), and wait for
+    it without blocking the loop. Cancelling the wait before the job starts drops the job."""
+    return await asyncio.wrap_future(_POOL.submit(owner, functools.partial(fn, *args, **kwargs)))

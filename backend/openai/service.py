@@ -192,9 +192,9 @@ class ChatCompletions:
         floor, limit = self.engine.prompt_token_floor(m["content"] for m in messages), self.engine.prompt_limit
         if floor >= limit:
             raise too_long_before_tokenizing(floor, limit)
-        # NOTE: off the event loop, on the backend's one CPU worker: a long prompt takes milliseconds to render and
-        # encode, and the loop serves every socket and probe of the process meanwhile.
-        prompt = await run_cpu(self._tokenize, messages)
+        # NOTE: off the event loop, in the tenant's turn on the backend's CPU workers: a long prompt takes
+        # milliseconds to render and encode, and the loop serves every socket and probe of the process meanwhile.
+        prompt = await run_cpu(tenant_id, self._tokenize, messages)
         params = sampling_params(req, len(prompt.token_ids), self.engine.info)
         meta = _Meta(
             id=f"chatcmpl-{uuid.uuid4().hex}",

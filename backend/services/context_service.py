@@ -172,7 +172,7 @@ class ContextService:
         """Move the session's topic with a new customer message and store the message's blocks (committed)."""
         async with self._sm() as db:
             ctx = await self.load(db, tenant_id, session_id)
-        update, blocks = await run_cpu(self._observe_customer, ctx, message)
+        update, blocks = await run_cpu(tenant_id, self._observe_customer, ctx, message)
         async with self._sm() as db:
             await context_store.save_blocks(db, session_id, message.id, blocks)
             await context_store.record_topic(db, session_id, message.seq, update)
@@ -190,7 +190,7 @@ class ContextService:
         if any(b.key.seq == message.seq for b in ctx.blocks):
             return
         split = self._splitter(ctx).split
-        blocks = await run_cpu(split, message.content, seq=message.seq, epoch=epoch, history=ctx.blocks)
+        blocks = await run_cpu(tenant_id, split, message.content, seq=message.seq, epoch=epoch, history=ctx.blocks)
         async with self._sm() as db:
             await context_store.save_blocks(db, session_id, message.id, blocks)
             await db.commit()

@@ -21,6 +21,7 @@ from backend.context.blocks import Block, BlockKey, BlockType
 from backend.context.rules import Rule, RuleSet, compile_rule
 from backend.context.splitter import DEFAULT_MIN_BLOCK_LENGTH
 from backend.context.topic import TopicSettings, TopicUpdate
+from backend.core.offload import run_cpu
 from backend.db.models import (
     ChatSession,
     HistoryPolicy,
@@ -78,7 +79,8 @@ class RuleSetCache:
         cached = self._compiled.get(tenant_id)
         if cached is not None and cached[0] == version:
             return cached[1]
-        rules, refused = RuleSet.compile_usable(await load_rules(db, tenant_id))
+        # NOTE: compiled in the tenant's turn on the CPU workers: up to a few hundred patterns, milliseconds each.
+        rules, refused = await run_cpu(tenant_id, RuleSet.compile_usable, await load_rules(db, tenant_id))
         for exc in refused:
             log.warning("tenant %s: stored %s; the chat leaves it out until it is fixed", tenant_id, exc)
         self._compiled[tenant_id] = (version, rules)

@@ -2,8 +2,10 @@
 
 A tenant reads the global rules (``tenant_id`` NULL) and its own; it writes only its own. A tenant rule named like a
 global one shadows it (``context_store.load_rules``), which is how a default is switched off or changed. Every rule
-is compiled before it is stored (``InvalidRuleError`` says why one is refused). The chat picks changes up on the
-next message: ``RuleSetCache`` recompiles when the rules' count or latest ``updated_at`` moves.
+is compiled before it is stored (``InvalidRuleError`` says why one is refused), in the tenant's turn on the CPU
+workers, and the tenant's own rules are capped (``RuleLimits``: their number, and their RE2 programs' summed size,
+which bounds what they cost per message; ``RuleLimitError``). The chat picks changes up on the next message:
+``RuleSetCache`` recompiles when the rules' count or latest ``updated_at`` moves.
 """
 
 from __future__ import annotations
@@ -14,16 +16,26 @@ from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from backend.context.blocks import BlockType
-from backend.context.rules import Rule, compile_rule
+from backend.context.errors import RuleLimitError
+from backend.context.rules import CompiledRule, Rule, compile_rule, program_sizes
 from backend.context.topic import TopicSettings
 from backend.core.errors import RuleExistsError, RuleNotFoundError, RuleReadOnlyError
 from backend.core.namespaces import Namespaces
-from backend.db.models import ApiKey, HistoryPolicy, KeyKind, SplitterRule
+from backend.core.offload import run_cpu
+from backend.db.models import ApiKey, HistoryPolicy, KeyKind, SplitterRule, Tenant
 from backend.services import cache_admin, context_store, tenants
 from backend.services.cache_admin import PrefixEdit
 from backend.services.context_store import ContextSettings
 from backend.services.tenants import IssuedKey
 from engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True, slots=True)
+class RuleLimits:
+    """Caps on a tenant's own rules (``KVCHAT_MAX_RULES_PER_TENANT``, ``KVCHAT_MAX_RULES_PROGRAM_SIZE``)."""
+
+    max_rules: int
+    max_program_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +91,20 @@ async def list_rules(db: AsyncSession, tenant_id: str) -> list[SplitterRule]:
     return list(rows.scalars())
 
 
-async def create_rule(db: AsyncSession, tenant_id: str, rule: Rule) -> SplitterRule:
-    compile_rule(rule)  # NOTE: first, so a bad pattern is reported as such whatever its name
+async def create_rule(db: AsyncSession, tenant_id: str, rule: Rule, limits: RuleLimits) -> SplitterRule:
+    compiled = await run_cpu(tenant_id, compile_rule, rule)  # NOTE: first, so a bad pattern is reported as such
     await _check_name_free(db, tenant_id, rule.name, None)
+    await _check_limits(db, tenant_id, compiled, None, limits)
     rule_id = await context_store.add_rule(db, rule, tenant_id)
     await db.commit()
     return await _own_rule(db, tenant_id, rule_id)
 
 
-async def update_rule(db: AsyncSession, tenant_id: str, rule_id: int, rule: Rule) -> SplitterRule:
+async def update_rule(db: AsyncSession, tenant_id: str, rule_id: int, rule: Rule, limits: RuleLimits) -> SplitterRule:
     row = await _own_rule(db, tenant_id, rule_id)
-    compile_rule(rule)
+    compiled = await run_cpu(tenant_id, compile_rule, rule)
     await _check_name_free(db, tenant_id, rule.name, rule_id)
+    await _check_limits(db, tenant_id, compiled, rule_id, limits)
     row.name = rule.name
     row.pattern = rule.pattern
     row.block_type = rule.block_type.value
@@ -138,6 +152,32 @@ async def _own_rule(db: AsyncSession, tenant_id: str, rule_id: int) -> SplitterR
     if row.tenant_id is None:
         raise RuleReadOnlyError(f"rule {rule_id} is global: add a rule of the same name to replace it")
     return row
+
+
+async def _check_limits(
+    db: AsyncSession, tenant_id: str, compiled: CompiledRule, rule_id: int | None, limits: RuleLimits
+) -> None:
+    """Refuse ``compiled`` (new, or replacing ``rule_id``) when the tenant's own rules would pass a cap.
+
+    NOTE: the tenant's row is locked first (Postgres), so two admins adding rules at once cannot both take the last
+    place; ``FOR NO KEY UPDATE``, which lets the audit row (a foreign key to the tenant) be written meanwhile.
+    Disabled rules count too, as enabling one is an edit that must not need room.
+    """
+    await db.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update(key_share=True))
+    own = select(SplitterRule.id, SplitterRule.pattern).where(SplitterRule.tenant_id == tenant_id)
+    rows = await db.execute(own.order_by(SplitterRule.id))
+    others = [pattern for found, pattern in rows if found != rule_id]
+    name = compiled.rule.name
+    if rule_id is None and len(others) >= limits.max_rules:
+        reason = f"the tenant has {len(others)} rules, the most it may have (KVCHAT_MAX_RULES_PER_TENANT)"
+        raise RuleLimitError(name, reason)
+    total = compiled.program_size + sum(await run_cpu(tenant_id, program_sizes, others))
+    if total > limits.max_program_size:
+        reason = (
+            f"the tenant's rules would compile to {total} RE2 instructions; the limit is {limits.max_program_size} "
+            "(KVCHAT_MAX_RULES_PROGRAM_SIZE)"
+        )
+        raise RuleLimitError(name, reason)
 
 
 async def _check_name_free(db: AsyncSession, tenant_id: str, name: str, rule_id: int | None) -> None:

@@ -1,7 +1,9 @@
 """Admin: the tenant's splitter rules. Global rules are listed read-only; the tenant adds, edits, disables and
 deletes its own, and shadows a global rule by adding one of the same name. A pattern is RE2 syntax: one that RE2
 refuses (a lookaround, a backreference), that compiles too large, or that can match the empty string is a 422
-``invalid_rule`` naming the rule and the reason. The chat uses the change from the next message.
+``invalid_rule`` naming the rule and the reason; one that would take the tenant's own rules past a cap (their
+number, ``KVCHAT_MAX_RULES_PER_TENANT``, or their compiled size, ``KVCHAT_MAX_RULES_PROGRAM_SIZE``) is a 422
+``rule_limit``. The chat uses the change from the next message.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Path, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.api.deps import AdminDep, DbDep, audited
+from backend.api.deps import AdminDep, DbDep, SettingsDep, audited
 from backend.context.blocks import BlockType
 from backend.context.rules import Rule
+from backend.core.config import Settings
 from backend.core.limits import INT32_MAX, Identifier, SafeText
 from backend.db.models import SplitterRule
 from backend.services import tenant_admin
+from backend.services.tenant_admin import RuleLimits
 
 router = APIRouter(prefix="/admin/rules", tags=["admin: rules"])
 
@@ -84,16 +88,16 @@ async def list_rules(tenant: AdminDep, db: DbDep) -> list[RuleOut]:
     responses=NAME_TAKEN,
     dependencies=[audited("rule.create")],
 )
-async def create_rule(body: RuleIn, tenant: AdminDep, db: DbDep) -> RuleOut:
-    return RuleOut.of(await tenant_admin.create_rule(db, tenant.id, body.rule()))
+async def create_rule(body: RuleIn, tenant: AdminDep, db: DbDep, settings: SettingsDep) -> RuleOut:
+    return RuleOut.of(await tenant_admin.create_rule(db, tenant.id, body.rule(), _limits(settings)))
 
 
 @router.put(
     "/{rule_id}", response_model=RuleOut, responses={**READ_ONLY, **NAME_TAKEN}, dependencies=[audited("rule.update")]
 )
-async def update_rule(rule_id: RuleIdPath, body: RuleIn, tenant: AdminDep, db: DbDep) -> RuleOut:
+async def update_rule(rule_id: RuleIdPath, body: RuleIn, tenant: AdminDep, db: DbDep, settings: SettingsDep) -> RuleOut:
     """Replace one of the tenant's rules (``enabled: false`` disables it)."""
-    return RuleOut.of(await tenant_admin.update_rule(db, tenant.id, rule_id, body.rule()))
+    return RuleOut.of(await tenant_admin.update_rule(db, tenant.id, rule_id, body.rule(), _limits(settings)))
 
 
 @router.delete(
@@ -102,3 +106,7 @@ async def update_rule(rule_id: RuleIdPath, body: RuleIn, tenant: AdminDep, db: D
 async def delete_rule(rule_id: RuleIdPath, tenant: AdminDep, db: DbDep) -> Response:
     await tenant_admin.delete_rule(db, tenant.id, rule_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def _limits(settings: Settings) -> RuleLimits:
+    return RuleLimits(settings.max_rules_per_tenant, settings.max_rules_program_size)
