@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model import cpu_kernels
+from engine.model import cpu_kernels, kernels
 from engine.sampling_params import SamplingParams
 
 
@@ -123,8 +123,8 @@ class Sampler:
 
 def _argmax(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first of equal values), with the C kernel on CPU where it is built."""
-    lib = cpu_kernels.load() if cpu_kernels.argmax_supported(logits) else None
-    if lib is not None:
+    _, lib = kernels.choose_with_library(kernels.Op.ARGMAX, logits.dtype, device=logits.device.type)
+    if lib is not None and cpu_kernels.argmax_supported(logits):
         return cpu_kernels.argmax(lib, logits)
     tokens: list[int] = logits.argmax(dim=-1).tolist()
     return tokens

@@ -17,7 +17,6 @@ import logging
 
 import torch
 
-from engine.device import cpu_flags
 from engine.model import bf16_linear
 from engine.model.bf16_linear import Bf16Panels
 from engine.model.build import open_library
@@ -28,18 +27,9 @@ CHUNK = 32  # inputs per tile multiply: the input width must be a multiple
 
 
 @functools.cache
-def available() -> bool:
-    """Whether this CPU has AMX-BF16 tiles (the kernel is built with ``-march=native``) and the pair panels exist
-    (AVX512-BF16, which every AMX CPU has)."""
-    return {"amx_bf16", "amx_tile"} <= cpu_flags() and bf16_linear.available()
-
-
-@functools.cache
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel with the tiles granted; None where the CPU lacks AMX, kernels are disabled, the build
-    fails or the kernel refuses the tiles (logged)."""
-    if not available():
-        return None
+    """The compiled kernel with the tiles granted; None where kernels are disabled, the build fails or the kernel
+    refuses the tiles (logged). ``kernels.library("amx_panels")`` asks only on a CPU the table's AMX rows are for."""
     lib = open_library("amx_panels", "the AVX512-BF16 pair-panel kernel")
     if lib is None:
         return None

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.device import cpu_flags
 from engine.model.build import open_library
 
 PANEL = 16  # outputs per panel
@@ -72,16 +71,9 @@ def to_panels(weight: torch.Tensor, keep_dense: bool = False) -> Bf16Panels:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether this CPU has AVX512-BF16 (the kernel is built with ``-march=native``)."""
-    return "avx512_bf16" in cpu_flags()
-
-
-@functools.cache
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel; None where the CPU lacks AVX512-BF16, kernels are disabled or the build fails."""
-    if not available():
-        return None
+    """The compiled kernel; None where kernels are disabled or the build fails (``kernels.library("bf16_panels")``
+    asks only on a CPU with AVX512-BF16: the table's rows say so)."""
     lib = open_library("bf16_panels", "F.linear")
     if lib is None:
         return None

@@ -1,8 +1,10 @@
 """Compiling the C kernels of ``csrc/`` once per CPU into the cache directory, and opening them with ctypes.
 
-Each ``csrc/<stem>.c`` is one library; the ``.h`` files beside it are shared. A library is built with the system C
-compiler into ``<cache_dir>/kernels/<stem>-<key>.so``, ``key`` hashing the sources, the compiler, the flags and the
-CPU's feature flags (``-march=native``), so a new CPU or an edited source builds once and then loads in milliseconds.
+Each ``csrc/<stem>.c`` is one library, and so is each folder ``csrc/<stem>/`` (its ``.c`` files, one per operation,
+linked together; its ``.h`` files are its own); the ``.h`` files of ``csrc/`` are shared. A library is built with the
+system C compiler into ``<cache_dir>/kernels/<stem>-<key>.so``, ``key`` hashing the sources, the compiler, the flags
+and the CPU's feature flags (``-march=native``), so a new CPU or an edited source builds once and then loads in
+milliseconds.
 
 NOTE: plain C + ctypes rather than ``torch.utils.cpp_extension``: it compiles in about a second instead of a minute of
 torch headers, and ``-fopenmp`` binds to the ``libgomp.so.1`` torch has already loaded, so both share one thread
@@ -54,18 +56,23 @@ def disabled() -> bool:
 
 
 def sources(stem: str) -> list[Path]:
-    """The files a library is built from: ``csrc/<stem>.c`` and every shared header."""
-    return [CSRC / f"{stem}.c", *sorted(CSRC.glob("*.h"))]
+    """The files a library is built from: ``csrc/<stem>.c`` (or the files of ``csrc/<stem>/``) and every shared
+    header."""
+    own = [CSRC / f"{stem}.c"] if (CSRC / f"{stem}.c").is_file() else sorted((CSRC / stem).glob("*.[ch]"))
+    if not own:
+        raise RuntimeError(f"no C sources for the kernel library {stem!r} in {CSRC}")
+    return [*own, *sorted(CSRC.glob("*.h"))]
 
 
 def build_library(stem: str, extra_flags: Sequence[str] = (), into: Path | None = None) -> Path:
-    """Compile ``csrc/<stem>.c`` into ``<cache_dir>/kernels/<stem>-<key>.so`` unless it is there already."""
+    """Compile library ``stem`` (``sources``) into ``<cache_dir>/kernels/<stem>-<key>.so`` unless it is there."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     flags = [*FLAGS, *extra_flags, f"-I{CSRC}"]
     digest = hashlib.sha256("\0".join([cc, *flags, *sorted(cpu_flags())]).encode())
-    for file in sources(stem):
+    files = sources(stem)
+    for file in files:
         digest.update(file.name.encode() + b"\0" + file.read_bytes())
     target = (into or cache_dir()) / "kernels" / f"{stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -74,7 +81,10 @@ def build_library(stem: str, extra_flags: Sequence[str] = (), into: Path | None 
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         done = subprocess.run(
-            [cc, *flags, str(CSRC / f"{stem}.c"), "-o", str(built)], capture_output=True, text=True, timeout=120
+            [cc, *flags, *(str(f) for f in files if f.suffix == ".c"), "-o", str(built)],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")

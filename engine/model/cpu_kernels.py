@@ -1,5 +1,5 @@
-"""The small CPU kernels of ``csrc/cpu_kernels.c``: paged decode attention, RMSNorm (+ residual add), RoPE + KV
-store, SwiGLU and argmax, one C call each instead of several torch ops a layer.
+"""The small CPU kernels of ``csrc/cpu_kernels/`` (a file per operation): paged decode attention, RMSNorm (+ residual
+add), RoPE + KV store, SwiGLU and argmax, one C call each instead of several torch ops a layer.
 
 Decode attention reads K/V in place through the block table (torch gathers a padded copy first), in work items of
 (sequence, kv head, ``PART`` tokens) whose partial softmaxes a second pass merges (split-K, so one long sequence still

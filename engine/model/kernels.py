@@ -44,6 +44,7 @@ class Layout(StrEnum):
     BF16_PANELS = "bf16 pair panels"
     FP32_PANELS = "fp32 panels"
     GGUF_BLOCKS = "GGUF blocks + dense"
+    INT8 = "int8 + scales + dense"  # opt-in (EngineConfig.quantization), lossy: never what weight_layout picks
 
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -62,6 +63,7 @@ class Impl:
     layout: Layout | None = None  # linear only: the weight layout it reads
     why: str = ""
     min_rows: int = 0
+    opt_in: bool = False  # serves only weights the operator chose (int8): never picked for plain weights
 
     def takes_rows(self, rows: int) -> bool:
         return self.min_rows <= rows <= self.max_rows
@@ -84,9 +86,10 @@ def _row(
     max_rows: int = ANY_ROWS,
     layout: Layout | None = None,
     min_rows: int = 0,
+    opt_in: bool = False,
 ) -> Impl:
     needs_, without_ = frozenset(needs or ()), frozenset(without or ())
-    return Impl(op, name, library, frozenset(dtypes), needs_, without_, max_rows, layout, why, min_rows)
+    return Impl(op, name, library, frozenset(dtypes), needs_, without_, max_rows, layout, why, min_rows, opt_in)
 
 
 AMX = {"amx_bf16", "amx_tile", "avx512_bf16"}
@@ -157,7 +160,24 @@ TABLE: tuple[Impl, ...] = (
         max_rows=4,
         layout=Layout.GGUF_BLOCKS,
     ),
-    _row(Op.LINEAR, "F.linear", None, TORCH_DTYPES, "everything else (and opt-in int8)", layout=Layout.DENSE),
+    _row(
+        Op.LINEAR,
+        "int8pack_mm",
+        None,
+        {F32, BF16},
+        "opt-in weight-only int8: aten's int8pack kernel reads 1 byte a weight, fast for a few rows only",
+        max_rows=8,
+        layout=Layout.INT8,
+        opt_in=True,
+    ),
+    _row(
+        Op.LINEAR,
+        "F.linear",
+        None,
+        TORCH_DTYPES,
+        "everything else (int8 weights: on their dense copy)",
+        layout=Layout.DENSE,
+    ),
     # --- attention
     _row(
         Op.DECODE_ATTENTION,
@@ -227,23 +247,35 @@ def _loaders() -> dict[str, Callable[[], ctypes.CDLL | None]]:
     }
 
 
-def library(name: str) -> ctypes.CDLL | None:
-    """The built library ``name`` (None where it cannot be built or kernels are disabled)."""
+def library(name: str, flags: frozenset[str] | None = None) -> ctypes.CDLL | None:
+    """The built library ``name``: None where no row of the table that runs it applies to a CPU with ``flags`` (by
+    default this one's), where it cannot be built, or where kernels are disabled.
+
+    NOTE: the table is what says which CPUs a library is for: its rows' ``needs``, not the library module.
+    """
+    flags = cpu_flags() if flags is None else flags
+    if not any(i.library == name and i.needs <= flags for i in TABLE):
+        return None
     return _loaders()[name]()
 
 
 def candidates(
-    op: Op, dtype: torch.dtype, rows: int | None = 1, flags: frozenset[str] | None = None, device: str = "cpu"
+    op: Op,
+    dtype: torch.dtype,
+    rows: int | None = 1,
+    flags: frozenset[str] | None = None,
+    device: str = "cpu",
+    opt_in: bool = False,
 ) -> Iterator[tuple[Impl, ctypes.CDLL | None]]:
     """The rows of ``op`` that apply, best first, with their library (torch rows: None; ``rows`` None: for any
-    row count)."""
+    row count; ``opt_in``: the rows of weights the operator chose too)."""
     flags = cpu_flags() if flags is None else flags
     for impl in TABLE:
-        if impl.op != op or not impl.matches(dtype, rows, flags):
+        if impl.op != op or not impl.matches(dtype, rows, flags) or (impl.opt_in and not opt_in):
             continue
         if impl.library is None:
             yield impl, None
-        elif device == "cpu" and (lib := library(impl.library)) is not None:
+        elif device == "cpu" and (lib := library(impl.library, flags)) is not None:
             yield impl, lib
 
 
@@ -280,7 +312,9 @@ def dense_copy_rows(dtype: torch.dtype, device: str) -> int | None:
 def linear_plan(layout: Layout, dtype: torch.dtype) -> tuple[tuple[Impl, ctypes.CDLL | None], ...]:
     """The linear rows that read weights held as ``layout``, best first, with their libraries (``linear.linear``
     takes the first whose row limits and shape checks take the call). Resolved once per layout and dtype."""
-    rows = [(i, lib) for i, lib in candidates(Op.LINEAR, dtype, None) if i.layout in (layout, Layout.DENSE)]
+    rows = [
+        (i, lib) for i, lib in candidates(Op.LINEAR, dtype, None, opt_in=True) if i.layout in (layout, Layout.DENSE)
+    ]
     return tuple((i, lib) for i, lib in rows if i.layout is layout or layout is not Layout.BF16_PANELS)
 
 
@@ -315,7 +349,7 @@ def usable(impl: Impl, flags: frozenset[str], builds: Callable[[str], bool]) -> 
         return False  # (a row ``without`` a flag is never picked where the flag is: another row wins there)
     if impl.library is not None and not builds(impl.library):
         return False
-    if impl.library is None and impl.layout not in (None, Layout.DENSE):
+    if impl.library is None and impl.layout not in (None, Layout.DENSE, Layout.INT8):
         return any(
             i.library is not None and i.layout is impl.layout and i.needs <= flags and builds(i.library) for i in TABLE
         )

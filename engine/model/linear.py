@@ -53,17 +53,17 @@ KERNELS: dict[str, Kernel] = {
     "bf16_pairs": _checked(bf16_linear.linear, Bf16Panels),
     "fp32_panels": _checked(panel_linear.linear, PanelWeight),
     "gguf_blocks": _checked(packed.linear, PackedWeight),
+    "int8pack_mm": lambda lib, x, w, bias: quant.linear(lib, x, w, bias) if isinstance(w, Int8Weight) else None,
     "F.linear": _dense,
 }
 
 
 LAYOUTS: dict[type, Layout] = {Bf16Panels: Layout.BF16_PANELS, PanelWeight: Layout.FP32_PANELS}
-LAYOUTS |= {PackedWeight: Layout.GGUF_BLOCKS, torch.Tensor: Layout.DENSE, torch.nn.Parameter: Layout.DENSE}
+LAYOUTS |= {PackedWeight: Layout.GGUF_BLOCKS, Int8Weight: Layout.INT8}
+LAYOUTS |= {torch.Tensor: Layout.DENSE, torch.nn.Parameter: Layout.DENSE}
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, Int8Weight):  # (opt-in, lossy: not a layout the table picks)
-        return quant.linear(x, weight, bias)
     rows = x.shape[0]
     for impl, lib in linear_plan(LAYOUTS.get(type(weight), Layout.DENSE), x.dtype):
         if impl.takes_rows(rows) and (y := KERNELS[impl.name](lib, x, weight, bias)) is not None:

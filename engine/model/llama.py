@@ -287,7 +287,9 @@ class LlamaModel:
         self.scale = spec.head_dim**-0.5
         # NOTE: every library the table picks is built (once per machine) now, at load, not on the first request
         chosen = {op: kernels.choose_with_library(op, self.dtype, device=device.type) for op in kernels.Op}
-        self.kernels = chosen[kernels.Op.NORM][1]  # (csrc/cpu_kernels.c: norm, rope and activation)
+        self.norm_kernel = chosen[kernels.Op.NORM][1]
+        self.rope_kernel = chosen[kernels.Op.ROPE][1]
+        self.activation_kernel = chosen[kernels.Op.ACTIVATION][1]
         kept = any(isinstance(w, Bf16Panels) and w.wide is not None for w in weights._linear_weights())
         self.wide_rows = kernels.dense_copy_rows(self.dtype, device.type) if kept else None
 
@@ -320,16 +322,16 @@ class LlamaModel:
         return linear(self._norm(hidden, self.weights.norm), self.weights.lm_head).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and cpu_kernels.norm_supported(x, weight, None):
-            return cpu_kernels.rms_norm(self.kernels, x, weight, self.spec.rms_norm_eps)
+        if self.norm_kernel is not None and cpu_kernels.norm_supported(x, weight, None):
+            return cpu_kernels.rms_norm(self.norm_kernel, x, weight, self.spec.rms_norm_eps)
         return F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
 
     def _add_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + delta, rms_norm(x + delta))``; the kernel adds into ``x`` in place (it is this step's own tensor)."""
-        if self.kernels is not None and cpu_kernels.norm_supported(x, weight, delta):
-            return x, cpu_kernels.rms_norm(self.kernels, x, weight, self.spec.rms_norm_eps, delta)
+        if self.norm_kernel is not None and cpu_kernels.norm_supported(x, weight, delta):
+            return x, cpu_kernels.rms_norm(self.norm_kernel, x, weight, self.spec.rms_norm_eps, delta)
         x = x + delta
         return x, F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
 
@@ -347,16 +349,17 @@ class LlamaModel:
         h = self._norm(x, w.input_norm)
         qkv = linear_rows(h, w.qkv, w.qkv_bias, groups)
         fused = w.q_norm is None and cpu_kernels.rope_supported(qkv, rope.table, kv, rope.positions, plan.slots)
-        if self.kernels is not None and fused:
+        if self.rope_kernel is not None and fused:
             # NOTE: one C call instead of ~10 ops (slices, cat, 3 products, 2 index_copy_) per layer and step
-            q = cpu_kernels.rope_store(self.kernels, qkv, heads, kv_heads, rope.table, rope.positions, plan.slots, *kv)
+            table, positions = rope.table, rope.positions
+            q = cpu_kernels.rope_store(self.rope_kernel, qkv, heads, kv_heads, table, positions, plan.slots, *kv)
         else:
             q = self._rope_and_store(qkv, w, rope, plan, kv)
         attn = attend(q, kv[0], kv[1], plan).reshape(n, heads * d)
         x, h = self._add_norm(x, linear_rows(attn, w.o, w.o_bias, groups), w.post_norm)
         gate_up = linear_rows(h, w.gate_up, None, groups)
-        if self.kernels is not None and cpu_kernels.silu_mul_supported(gate_up):
-            act = cpu_kernels.silu_mul(self.kernels, gate_up)
+        if self.activation_kernel is not None and cpu_kernels.silu_mul_supported(gate_up):
+            act = cpu_kernels.silu_mul(self.activation_kernel, gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up

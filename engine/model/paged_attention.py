@@ -90,9 +90,8 @@ class AttentionPlan:
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode: DecodeGroup | None = None
     use_flash: bool = False
-    kernel: ctypes.CDLL | None = None  # the decode kernel's library on CPU, for where the table picks it
-    prefill_kernel: ctypes.CDLL | None = None  # the prefill kernel's library on CPU, for where the table picks it
-    choices: dict[tuple[Op, torch.dtype, bool], bool] = field(default_factory=dict)  # (asked once per step)
+    # The C kernel the table picks per (op, dtype, gather), None for a torch row: asked once per step, not per layer.
+    kernels: dict[tuple[Op, torch.dtype, bool], ctypes.CDLL | None] = field(default_factory=dict)
 
 
 def build_plan(
@@ -124,10 +123,6 @@ def build_plan(
     if decode_items:
         plan.decode = _decode_group(decode_rows, decode_items, row, block_size, device)
     plan.use_flash = flash_attn_with_kvcache is not None and device.type == "cuda" and block_size % 256 == 0
-    if device.type == "cpu" and plan.decode is not None:
-        plan.kernel = kernels.library("cpu_kernels")
-    if device.type == "cpu" and prefills:
-        plan.prefill_kernel = kernels.library("prefill_attention")
     return plan
 
 
@@ -205,17 +200,17 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
     Returns ``[num_tokens, heads, D]``.
     """
     group = plan.decode
-    kernel = None
-    if group is not None and _picks_kernel(plan, Op.DECODE_ATTENTION, q, group.runs is None):
+    kernel = _kernel(plan, Op.DECODE_ATTENTION, q, group.runs is None) if group is not None else None
+    if group is not None and kernel is not None:
         # NOTE: a lone bf16 row over consecutive blocks takes the kernel only with pair products (head dim % 32)
         lone_without_pairs = group.runs is not None and q.dtype == torch.bfloat16 and q.shape[-1] % 32 != 0
-        kernel = None if lone_without_pairs or not cpu_kernels.supports(q, k_cache, v_cache) else plan.kernel
+        kernel = None if lone_without_pairs or not cpu_kernels.supports(q, k_cache, v_cache) else kernel
     if group is not None and group.all_rows and kernel is None:
         return _attend_decode(q, k_cache, v_cache, group, plan.use_flash)
     out = q.new_empty(q.shape)
-    takes = plan.prefills and _picks_kernel(plan, Op.PREFILL_ATTENTION, q, True)
-    takes = takes and prefill_attention.supports(q, out, k_cache, v_cache)
-    chunk_kernel = plan.prefill_kernel if takes else None
+    chunk_kernel = _kernel(plan, Op.PREFILL_ATTENTION, q, True) if plan.prefills else None
+    if chunk_kernel is not None and not prefill_attention.supports(q, out, k_cache, v_cache):
+        chunk_kernel = None
     for span in plan.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         if chunk_kernel is not None:
@@ -234,13 +229,13 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
     return out
 
 
-def _picks_kernel(plan: AttentionPlan, op: Op, q: torch.Tensor, gather: bool) -> bool:
-    """Whether the table picks a C kernel for ``op`` on ``q`` (``gather``: the rows are not one lone row over
-    consecutive blocks); asked once per step, not per layer."""
+def _kernel(plan: AttentionPlan, op: Op, q: torch.Tensor, gather: bool) -> ctypes.CDLL | None:
+    """The C kernel the table picks for ``op`` on ``q`` (``gather``: the rows are not one lone row over consecutive
+    blocks), None where it picks a torch row; asked once per step, not per layer."""
     key = (op, q.dtype, gather)
-    if key not in plan.choices:
-        plan.choices[key] = kernels.choose(op, q.dtype, int(gather), q.device.type).library is not None
-    return plan.choices[key]
+    if key not in plan.kernels:
+        plan.kernels[key] = kernels.choose_with_library(op, q.dtype, int(gather), q.device.type)[1]
+    return plan.kernels[key]
 
 
 def _seq_kv(cache: torch.Tensor, blocks: torch.Tensor | slice, kv_len: int) -> torch.Tensor:

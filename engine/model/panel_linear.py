@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.device import cpu_flags
 from engine.model.build import open_library
 
 PANEL = 16  # outputs per panel (two 8-lane vectors)
@@ -52,16 +51,9 @@ def to_panels(weight: torch.Tensor) -> PanelWeight:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether this CPU is one the kernel is built and used for: x86 with AVX2 and FMA (AVX-512 or not)."""
-    return {"avx2", "fma"} <= cpu_flags()
-
-
-@functools.cache
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel; None where ``available()`` is False, kernels are disabled or the build fails."""
-    if not available():
-        return None
+    """The compiled kernel; None where kernels are disabled or the build fails (``kernels.library("panel_linear")``
+    asks only on a CPU the table's rows are for: x86 with AVX2 and FMA)."""
     lib = open_library("panel_linear", "the dense and packed weights")
     return None if lib is None else bind(lib)
 

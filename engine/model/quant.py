@@ -1,18 +1,16 @@
 """Opt-in weight-only int8 quantization for CPU decode (``EngineConfig.quantization = "int8"``), lossy.
 
 ``torch.ops.aten._weight_int8pack_mm`` reads int8 weights with per-output-channel scales, fewer bytes a decode step.
-NOTE: it is only fast for a few rows, so batches of more than ``INT8_MAX_ROWS`` rows multiply by the dequantized
-weights (the same effective weights, another rounding).
+NOTE: it is only fast for a few rows, so wider batches multiply by the dequantized weights (the same effective
+weights, another rounding): ``kernels.py`` holds the row limit.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-
-INT8_MAX_ROWS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +34,8 @@ def quantize(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(q.contiguous(), scales_act.contiguous(), dense.contiguous())
 
 
-def linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if x.shape[0] <= INT8_MAX_ROWS:
-        out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight.q, weight.scales)
-        return out if bias is None else out + bias
-    return F.linear(x, weight.dense, bias)
+def linear(_: ctypes.CDLL | None, x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ (q x scales)^T (+ bias)`` with aten's int8pack kernel (``kernels.py``'s ``int8pack_mm`` row: few rows;
+    wider batches take F.linear on ``weight.dense``)."""
+    out = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight.q, weight.scales)
+    return out if bias is None else out + bias

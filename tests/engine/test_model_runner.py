@@ -12,7 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.device import cpu_flags, resolve_dtype
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.model import bf16_linear, huge_pages
+from engine.model import huge_pages, kernels
 from engine.model.bf16_linear import Bf16Panels
 from engine.model.huge_pages import HUGE_PAGE
 from engine.model.panel_linear import PanelWeight
@@ -77,7 +77,7 @@ def test_pool_and_weights_are_in_huge_pages(runner: ModelRunner) -> None:
         assert base <= tensor(w).data_ptr() < base + (64 << 20)  # in the same mapping
 
 
-@pytest.mark.skipif(bf16_linear.load() is None, reason="no AVX512-BF16 CPU (or no C compiler)")
+@pytest.mark.skipif(kernels.library("bf16_panels") is None, reason="no AVX512-BF16 CPU (or no C compiler)")
 def test_bf16_linear_weights_are_pair_panels_in_huge_pages(folder: Path) -> None:
     bf16 = ModelRunner(folder, num_blocks=8, block_size=4, device="cpu", dtype="bfloat16")
     dense = ModelRunner(folder, num_blocks=8, block_size=4, device="cpu", dtype="float32").model.weights

@@ -13,7 +13,7 @@ from engine.model.paged_attention import build_plan
 from engine.model_runner import BatchItem, ModelRunner
 from engine.testing import build_tiny_model
 
-needs_amx = pytest.mark.skipif(amx_linear.load() is None, reason="no AMX-BF16 CPU (or no C compiler)")
+needs_amx = pytest.mark.skipif(kernels.library("amx_panels") is None, reason="no AMX-BF16 CPU (or no C compiler)")
 
 
 def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -22,7 +22,7 @@ def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel() -> object:
-    lib = amx_linear.load()
+    lib = kernels.library("amx_panels")
     assert lib is not None
     return lib
 
@@ -104,17 +104,9 @@ def test_kernel_refuses_a_bias_of_another_width() -> None:
         amx_linear.run(_kernel(), torch.ones(2, 64, dtype=torch.bfloat16), w, torch.zeros(16))
 
 
-def test_available_needs_amx_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    check = amx_linear.available.__wrapped__
-    monkeypatch.setattr(amx_linear, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
-    assert not check()
-    monkeypatch.setattr(amx_linear, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
-    assert check() == bf16_linear.available()
-
-
 @needs_amx
 def test_linear_sends_pair_panels_to_the_tiles_where_they_take_them() -> None:
-    lib, plain = _kernel(), bf16_linear.load()
+    lib, plain = _kernel(), kernels.library("bf16_panels")
     assert plain is not None
     gen = torch.Generator().manual_seed(2)
     for width in (64, 48):  # 48: the pair-panel kernel, for every batch

@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import amx_linear, bf16_linear, linear
+from engine.model import amx_linear, bf16_linear, kernels, linear
 from engine.model.bf16_linear import Bf16Panels
 
-needs_kernel = pytest.mark.skipif(bf16_linear.load() is None, reason="no AVX512-BF16 CPU (or no C compiler)")
+needs_kernel = pytest.mark.skipif(
+    kernels.library("bf16_panels") is None, reason="no AVX512-BF16 CPU (or no C compiler)"
+)
 
 
 def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +47,7 @@ def test_only_even_width_bf16_cpu_weights_become_panels() -> None:
 def test_kernel_is_within_one_bf16_ulp_of_float64(
     rows: int, in_features: int, out_features: int, with_bias: bool
 ) -> None:
-    lib = bf16_linear.load()
+    lib = kernels.library("bf16_panels")
     assert lib is not None
     gen = torch.Generator().manual_seed(rows * 7 + in_features)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
@@ -61,7 +63,7 @@ def test_kernel_is_within_one_bf16_ulp_of_float64(
 
 @needs_kernel
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
-    lib = bf16_linear.load()
+    lib = kernels.library("bf16_panels")
     assert lib is not None
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(70, 576, generator=gen).to(torch.bfloat16)
@@ -75,7 +77,7 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
 
 @needs_kernel
 def test_non_finite_inputs_stay_non_finite_and_no_rows_give_none() -> None:
-    lib = bf16_linear.load()
+    lib = kernels.library("bf16_panels")
     assert lib is not None
     x = torch.ones(5, 64, dtype=torch.bfloat16)
     x[1, 3] = float("nan")
@@ -89,7 +91,7 @@ def test_non_finite_inputs_stay_non_finite_and_no_rows_give_none() -> None:
 
 @needs_kernel
 def test_kernel_refuses_an_input_that_does_not_fit() -> None:
-    lib = bf16_linear.load()
+    lib = kernels.library("bf16_panels")
     assert lib is not None
     w = bf16_linear.to_panels(torch.ones(20, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="cannot take"):
@@ -102,12 +104,12 @@ def test_kernel_refuses_an_input_that_does_not_fit() -> None:
 
 @needs_kernel
 def test_linear_dispatches_panels_to_the_kernel_and_dense_weights_to_f_linear() -> None:
-    lib = bf16_linear.load()
+    lib = kernels.library("bf16_panels")
     assert lib is not None
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
     panels = bf16_linear.to_panels(w)
-    amx = amx_linear.load()  # (on a CPU with AMX the tile kernel takes these batches: test_amx_linear.py)
+    amx = kernels.library("amx_panels")  # (on a CPU with AMX the tile kernel takes these batches: test_amx_linear.py)
     for rows in (1, 16, 300):
         x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
         kernel = bf16_linear.linear(lib, x, panels) if amx is None else amx_linear.run(amx, x, panels)

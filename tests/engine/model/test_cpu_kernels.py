@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.model import build, cpu_kernels, paged_attention
+from engine.model.kernels import Op
 from engine.model.paged_attention import attend, build_plan
 
 needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
@@ -59,9 +60,9 @@ def test_kernel_matches_torch_path(
     assert cpu_kernels.load() is not None
     q, k, v, items = _case(dtype, heads, kv_heads, dim, lens, prefill, seed=len(lens) + dim)
     plan = build_plan(items, 4, torch.device("cpu"))
-    assert plan.kernel is not None
     ours = attend(q, k, v, plan)
-    plan.kernel = plan.prefill_kernel = None
+    assert [lib is not None for (op, *_), lib in plan.kernels.items() if op is Op.DECODE_ATTENTION] == [True]
+    plan.kernels = dict.fromkeys(plan.kernels)  # (the torch rows)
     ref = attend(q, k, v, plan)
     assert ours.dtype == dtype
     assert (ours.float() - ref.float()).abs().max().item() <= tol
@@ -89,7 +90,7 @@ def test_the_pipelined_prefetch_leaves_the_bits_alone(dtype: torch.dtype) -> Non
     for l2 in (64 << 20, 1024):
         lib = build.open_library("cpu_kernels", "nothing (the test fails)", [f"-DKVCHAT_L2_BYTES={l2}"])
         assert lib is not None
-        plan.kernel = cpu_kernels.bind(lib)
+        plan.kernels[(Op.DECODE_ATTENTION, dtype, True)] = cpu_kernels.bind(lib)
         outputs.append(attend(q, k, v, plan))
     assert torch.equal(outputs[0], outputs[1])
 
@@ -104,8 +105,8 @@ def test_missing_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert cpu_kernels.load() is None
     q, k, v, items = _case(torch.float32, 4, 2, 8, [5, 9], 3, seed=0)
     plan = build_plan(items, 4, torch.device("cpu"))
-    assert plan.kernel is None
     assert attend(q, k, v, plan).shape == q.shape
+    assert [lib for (op, *_), lib in plan.kernels.items() if op is Op.DECODE_ATTENTION] == [None]  # the torch row
 
 
 def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:

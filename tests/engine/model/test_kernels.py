@@ -17,7 +17,7 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 def _pick(op: Op, dtype: torch.dtype, rows: int, flags: frozenset[str]) -> str:
     """The first row for these CPU flags, assuming every library builds."""
-    return next(i.name for i in kernels.TABLE if i.op is op and i.matches(dtype, rows, flags))
+    return next(i.name for i in kernels.TABLE if i.op is op and i.matches(dtype, rows, flags) and not i.opt_in)
 
 
 @pytest.mark.parametrize(
@@ -161,3 +161,23 @@ def test_a_dense_copy_is_kept_only_where_the_table_can_pick_it(monkeypatch: pyte
             "F.linear_dense_copy",
             "amx_tiles",
         ]
+
+
+def test_a_library_is_built_only_for_a_cpu_one_of_its_rows_is_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[str] = []
+    loaders = {name: (lambda name=name: built.append(name)) for name in ("amx_panels", "bf16_panels", "panel_linear")}
+    monkeypatch.setattr(kernels, "_loaders", lambda: loaders)
+    assert kernels.library("amx_panels", AVX512) is None
+    assert kernels.library("bf16_panels", AVX2_ONLY) is None
+    assert built == []  # not for these CPUs: never compiled
+    kernels.library("amx_panels", AMX_XEON)
+    kernels.library("panel_linear", AVX2_ONLY)
+    assert built == ["amx_panels", "panel_linear"]
+
+
+def test_int8_rows_serve_only_int8_weights() -> None:
+    for dtype in (F32, BF16):
+        assert all(not i.opt_in for i, _ in kernels.candidates(Op.LINEAR, dtype, 1, frozenset()))
+        assert kernels.weight_layout(dtype, "cpu", packed_weights=False) is not Layout.INT8
+        plan = [i.name for i, _ in kernels.linear_plan(Layout.INT8, dtype)]
+        assert plan[0] == "int8pack_mm" and plan[-1] == "F.linear"

@@ -19,7 +19,7 @@ PACKED_MAX_ROWS_BF16 = kernels.row_limit("gguf_blocks", torch.bfloat16)
 
 FORMATS = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 
-pytestmark = pytest.mark.skipif(packed.load() is None, reason="no C compiler for the packed kernel")
+pytestmark = pytest.mark.skipif(kernels.library("packed_linear") is None, reason="no C compiler for the packed kernel")
 
 
 def _blocks(fmt: str, out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +32,7 @@ def _blocks(fmt: str, out_features: int, in_features: int, seed: int = 0) -> tup
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_kernel_dequantizes_exactly_as_gguf(fmt: str) -> None:
-    lib = packed.load()
+    lib = kernels.library("packed_linear")
     assert lib is not None
     blocks, dense = _blocks(fmt, 37, 96)
     assert tuple(blocks.shape) == (37, packed.row_bytes(fmt, 96))

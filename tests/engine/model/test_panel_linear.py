@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.device import cpu_flags
-from engine.model import build, linear, panel_linear
+from engine.model import build, kernels, linear, panel_linear
 from engine.model.panel_linear import PanelWeight, to_panels
 
 needs_kernel = pytest.mark.skipif(
-    panel_linear.load() is None, reason="not an x86 CPU with AVX2 and FMA (or no compiler)"
+    kernels.library("panel_linear") is None, reason="not an x86 CPU with AVX2 and FMA (or no compiler)"
 )
 
 
@@ -30,7 +30,7 @@ def test_panels_hold_the_weight_column_slices_and_give_it_back() -> None:
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (7, 33), (1536, 16), (64, 5)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_matches_float64(rows: int, in_features: int, out_features: int, with_bias: bool) -> None:
-    lib = panel_linear.load()
+    lib = kernels.library("panel_linear")
     assert lib is not None
     gen = torch.Generator().manual_seed(rows * 31 + in_features + out_features)
     x = torch.randn(rows, in_features, generator=gen)
@@ -49,7 +49,7 @@ def test_kernel_matches_float64(rows: int, in_features: int, out_features: int, 
 def test_a_long_sum_is_summed_by_slices(rows: int) -> None:
     # 8192 products of 0.1: one fp32 chain over k drifts 6.5e-5 (relative) from the exact sum; chains of KS = 64
     # products added slice by slice stay within 1e-6 (the plain and the blocked form alike)
-    lib = panel_linear.load()
+    lib = kernels.library("panel_linear")
     assert lib is not None
     x = torch.full((rows, 8192), 0.1)
     y = panel_linear.linear(lib, x, to_panels(torch.ones(3, 8192)))
@@ -59,7 +59,7 @@ def test_a_long_sum_is_summed_by_slices(rows: int) -> None:
 
 @needs_kernel
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
-    lib = panel_linear.load()
+    lib = kernels.library("panel_linear")
     assert lib is not None
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(31, 576, generator=gen)
@@ -79,7 +79,7 @@ def test_an_avx512_build_gives_the_bits_of_an_avx2_build(rows: int) -> None:
     # a build for Haswell (AVX2 + FMA: a panel is two 8-lane vectors) against the native one (one 16-lane vector):
     # the same weights give the same bits on either kind of machine
     haswell = build.open_library("panel_linear", "nothing (the test fails)", ["-march=haswell"])
-    lib = panel_linear.load()
+    lib = kernels.library("panel_linear")
     assert haswell is not None and lib is not None
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 1300, generator=gen)
@@ -96,7 +96,7 @@ def test_an_avx512_build_gives_the_bits_of_an_avx2_build(rows: int) -> None:
 def test_the_blocked_form_gives_each_row_the_same_bits_as_the_small_batches(
     in_features: int, out_features: int, with_bias: bool
 ) -> None:
-    lib = panel_linear.load()
+    lib = kernels.library("panel_linear")
     assert lib is not None
     gen = torch.Generator().manual_seed(in_features)
     rows = 192 + 59  # two row blocks (MC = 192); k whole (576) or in slices (1536 = 3 x 512, 1300 = 448 + 448 + 404)
@@ -115,7 +115,7 @@ def test_the_blocked_form_gives_each_row_the_same_bits_as_the_small_batches(
 @needs_kernel
 @pytest.mark.parametrize("rows", [5, 40])
 def test_non_finite_inputs_stay_non_finite(rows: int) -> None:
-    lib = panel_linear.load()
+    lib = kernels.library("panel_linear")
     assert lib is not None
     x = torch.ones(rows, 300)
     x[1, 3] = float("nan")
@@ -127,7 +127,7 @@ def test_non_finite_inputs_stay_non_finite(rows: int) -> None:
 
 @needs_kernel
 def test_bad_inputs_are_refused_with_a_clear_error() -> None:
-    lib = panel_linear.load()
+    lib = kernels.library("panel_linear")
     assert lib is not None
     pw = to_panels(torch.zeros(8, 64))
     with pytest.raises(ValueError, match="cannot take"):
@@ -138,7 +138,7 @@ def test_bad_inputs_are_refused_with_a_clear_error() -> None:
 
 @needs_kernel
 def test_linear_takes_the_panels_for_every_batch_size() -> None:
-    lib = panel_linear.load()
+    lib = kernels.library("panel_linear")
     assert lib is not None
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(48, 64, generator=gen)

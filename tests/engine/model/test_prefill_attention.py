@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import build, kernels, paged_attention, prefill_attention
+from engine.model.kernels import Op
 from engine.model.paged_attention import attend, build_plan
 
 needs_kernel = pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
@@ -57,7 +58,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.T
 def test_kernel_matches_float64_sdpa(
     dtype: torch.dtype, tol: float, heads: int, kv_heads: int, dim: int, q_len: int, start: int, block_size: int
 ) -> None:
-    lib = prefill_attention.load()
+    lib = kernels.library("prefill_attention")
     assert lib is not None
     k, v, table = _pool(dtype, kv_heads, dim, start + q_len, block_size, seed=q_len + dim)
     gen = torch.Generator().manual_seed(7)
@@ -77,7 +78,7 @@ def test_kernel_matches_float64_sdpa(
 def test_a_row_computes_to_the_same_bits_cold_and_after_a_prefix_hit(dtype: torch.dtype, prefix: int) -> None:
     """The rows after ``prefix`` give identical bits in a cold chunk of the whole prompt and in a chunk that starts at
     ``prefix`` (what a prefix-cache hit runs), whatever the tiling of either call."""
-    lib = prefill_attention.load()
+    lib = kernels.library("prefill_attention")
     assert lib is not None
     heads, kv_heads, dim, total = 9, 3, 64, 300
     k, v, table = _pool(dtype, kv_heads, dim, total, 16, seed=3)
@@ -98,9 +99,10 @@ def test_attend_uses_the_kernel_for_prefill_spans_where_the_table_picks_it(monke
 
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx512f"}))
     plan = build_plan(items, 4, torch.device("cpu"))
-    assert plan.prefill_kernel is not None
+    lib = paged_attention._kernel(plan, Op.PREFILL_ATTENTION, q, True)
+    assert lib is not None
     kernel_out = torch.empty_like(q)
-    prefill_attention.prefill_attention(plan.prefill_kernel, q, kernel_out, 28, k, v, table, dim**-0.5)
+    prefill_attention.prefill_attention(lib, q, kernel_out, 28, k, v, table, dim**-0.5)
     assert torch.equal(attend(q, k, v, plan), kernel_out)
 
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset())  # (no AVX2: the table picks SDPA)
@@ -131,7 +133,7 @@ def test_supports_only_what_the_kernel_takes() -> None:
 
 @needs_kernel
 def test_an_empty_chunk_is_a_no_op() -> None:
-    lib = prefill_attention.load()
+    lib = kernels.library("prefill_attention")
     assert lib is not None
     k, v, table = _pool(torch.float32, 2, 64, 8, 4, seed=1)
     out = torch.zeros(0, 4, 64)

@@ -10,7 +10,9 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.model.quant import INT8_MAX_ROWS, Int8Weight, linear, quantize
+from engine.model import kernels
+from engine.model.linear import linear
+from engine.model.quant import Int8Weight, quantize
 from engine.model_runner import BatchItem, ModelRunner
 from engine.sampling_params import SamplingParams
 
@@ -23,10 +25,13 @@ def test_quantize_is_symmetric_per_channel_and_both_paths_agree() -> None:
     assert qw.q.dtype == torch.int8
     assert int(qw.q.abs().max()) == 127
     assert torch.allclose(qw.dense.float(), w.float(), atol=float(w.abs().max()) / 127)
-    few = torch.randn(INT8_MAX_ROWS, 32, dtype=torch.bfloat16)
+    rows = kernels.row_limit("int8pack_mm", torch.bfloat16)
+    few = torch.randn(rows, 32, dtype=torch.bfloat16)
     many = torch.cat([few, torch.randn(40, 32, dtype=torch.bfloat16)])
-    small = linear(few, qw)  # the int8 kernel
-    wide = linear(many, qw)[:INT8_MAX_ROWS]  # the dequantized path
+    small = linear(few, qw)  # the table's int8pack_mm row
+    wide = linear(many, qw)[:rows]  # F.linear on the dequantized copy
+    assert torch.equal(small, torch.ops.aten._weight_int8pack_mm(few, qw.q, qw.scales))
+    assert torch.equal(wide, torch.nn.functional.linear(many, qw.dense)[:rows])
     assert torch.allclose(small.float(), wide.float(), rtol=0.02, atol=0.05)
 
 
