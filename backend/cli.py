@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 
 from backend.core import logs
 from backend.core.config import Settings
+from backend.core.errors import one_line_reason
 from backend.core.logs import LogFormat
+from backend.core.startup import Phase, Startup
 
 if TYPE_CHECKING:
     import uvicorn
@@ -40,7 +42,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     from backend.main import create_app
 
-    app = create_app(settings)
+    # NOTE: the slow part of the start (a first start converts the model) runs while the server listens: /livez
+    # names the phase, /readyz stays 503, and the chat and API answer "starting" until it is done.
+    app = create_app(settings, serve_while_starting=True)
     config = uvicorn.Config(
         app,
         host=host,
@@ -52,6 +56,9 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_seconds)),
     )
     _draining_server(config, app).run()
+    startup: Startup = app.state.startup
+    if startup.error is not None:
+        raise StartupError(f"kvchat could not start: {startup.error}")
     return 0
 
 
@@ -60,7 +67,13 @@ def _draining_server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
 
     class DrainingServer(uvicorn.Server):
         """uvicorn closes every websocket with 1012 as soon as it starts to shut down; first, drain the chat: no new
-        connections or turns, and replies in flight get the grace period to finish while they still stream."""
+        connections or turns, and replies in flight get the grace period to finish while they still stream. A start
+        that failed (it runs while the server listens) stops the server."""
+
+        async def on_tick(self, counter: int) -> bool:
+            if app.state.startup.phase is Phase.FAILED:
+                return True
+            return await super().on_tick(counter)
 
         async def shutdown(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
             for server in self.servers:
@@ -107,11 +120,12 @@ def _check_database(url: str) -> None:
 
 
 def _check_model(model: str, cache_dir: str | None) -> None:
+    """That the model is there and readable, in milliseconds; converting it is part of the start (``Phase``)."""
     from engine.errors import ModelLoadError
-    from engine.model.loader import resolve_model
+    from engine.model.loader import locate_model
 
     try:
-        resolve_model(model, cache_dir)
+        locate_model(model, cache_dir)
     except (ModelLoadError, OSError, ValueError) as exc:
         raise StartupError(f"cannot load the model {model!r}: {exc}") from exc
 
@@ -133,12 +147,6 @@ def _migrate(args: argparse.Namespace) -> int:
         raise StartupError(f"cannot migrate {_redact(url)}: {one_line_reason(exc)}") from exc
     print("migrations done", flush=True)
     return 0
-
-
-def one_line_reason(exc: BaseException) -> str:
-    """The driver's own message (SQLAlchemy wraps it), on one line."""
-    inner = getattr(exc, "orig", None) or exc
-    return " ".join(str(inner).split()) or type(inner).__name__
 
 
 def _generate(args: argparse.Namespace) -> int:

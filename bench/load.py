@@ -194,12 +194,13 @@ def _wait_ready(server: Server, timeout_s: float = 300.0) -> None:
                 f"kvchat serve exited ({server.proc.returncode}):\n{server.log_path.read_text()[-3000:]}"
             )
         try:
-            if httpx.get(f"http://127.0.0.1:{server.port}/livez", timeout=2).status_code == 200:
+            # NOTE: /readyz, not /livez: the server listens while it loads its model (/livez answers at once)
+            if httpx.get(f"http://127.0.0.1:{server.port}/readyz", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.1)
-    raise RuntimeError(f"kvchat serve did not answer /livez in {timeout_s:.0f}s")
+    raise RuntimeError(f"kvchat serve was not ready (/readyz) in {timeout_s:.0f}s")
 
 
 class RssSampler:

@@ -263,6 +263,66 @@ def build_tiny_model(
     return folder
 
 
+_GGUF_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def build_tiny_gguf(path: str | Path, *, seed: int = 0, hidden_size: int = 64) -> Path:
+    """Write a random one-layer Llama GGUF (fp32 tensors, a byte-level BPE vocabulary of 261 tokens, a ChatML
+    template) to ``path``: what the converter reads from SmolLM2's GGUF, small enough to convert in seconds."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    path = Path(path)
+    heads, ff = 2, hidden_size * 2
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *bytes_to_unicode().values(), "\u0120t", "he"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden_size)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(1)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(hidden_size // heads)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))  # 3: control (special), 1: normal
+    writer.add_token_merges(["\u0120 t", "h e"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(0)
+    writer.add_chat_template(_GGUF_CHAT_TEMPLATE)
+    rng = np.random.default_rng(seed)
+    head_dim = hidden_size // heads
+    shapes = {
+        "token_embd.weight": (len(tokens), hidden_size),
+        "blk.0.attn_q.weight": (hidden_size, hidden_size),
+        "blk.0.attn_k.weight": (head_dim, hidden_size),
+        "blk.0.attn_v.weight": (head_dim, hidden_size),
+        "blk.0.attn_output.weight": (hidden_size, hidden_size),
+        "blk.0.ffn_gate.weight": (ff, hidden_size),
+        "blk.0.ffn_up.weight": (ff, hidden_size),
+        "blk.0.ffn_down.weight": (hidden_size, ff),
+    }
+    for name, shape in shapes.items():
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.15).astype(np.float32))
+    for name in ("output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight"):
+        writer.add_tensor(name, np.ones(hidden_size, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 class InjectedFault(RuntimeError):
     """What an injected failure raises (never raised outside tests)."""
 

@@ -11,7 +11,8 @@ Two shapes, chosen by path:
     undecodable or invalid body / params    400/422 invalid_request   (/v1: 400; elsewhere FastAPI's 422)
     unknown path                            404     not_found
     method not allowed                      405     method_not_allowed
-    a BackendError (backend/core/errors.py) its status    its code (e.g. 404 session_not_found)
+    a BackendError (backend/core/errors.py) its status    its code (e.g. 404 session_not_found; 503 starting,
+                                                          with Retry-After, until the start is done)
     a ContextError (backend/context/errors)  422 (503)  its code (e.g. invalid_rule)
     any other HTTPException                 its own http_<status>
     an unexpected exception                 500     internal_error    (logged once, with its traceback)
@@ -33,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backend.context.errors import ContextError
-from backend.core.errors import HTTP_STATUS_CODES, BackendError, error_location, error_problem
+from backend.core.errors import HTTP_STATUS_CODES, BackendError, StartingError, error_location, error_problem
 from backend.core.limits import MAX_JSON_DEPTH, json_too_deep
 from backend.openai.errors import SERVER_ERROR, OpenAIError, from_http_exception, from_validation_error
 
@@ -169,7 +170,10 @@ async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
 
 async def _backend_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, BackendError)
-    return error_response(request.url.path, exc.status, str(exc), exc.code)
+    response = error_response(request.url.path, exc.status, str(exc), exc.code)
+    if isinstance(exc, StartingError):
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+    return response
 
 
 # NOTE: the context layer's errors carry a code but no HTTP status (that layer knows nothing of HTTP).

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.core.config import Settings
-from backend.core.errors import HTTP_STATUS_CODES
+from backend.core.errors import HTTP_STATUS_CODES, StartingError
 from backend.core.security import display_prefix
 from backend.core.state import AppState
 from backend.db.models import KeyKind, Tenant
@@ -25,7 +25,10 @@ from backend.services.tenants import authenticate
 
 
 def get_state(request: Request) -> AppState:
-    state: AppState = request.app.state.kvchat
+    """What the lifespan built; until the start is done (``kvchat serve`` listens meanwhile) a 503 ``starting``."""
+    state: AppState | None = getattr(request.app.state, "kvchat", None)
+    if state is None:
+        raise StartingError(request.app.state.startup.phase)
     return state
 
 

@@ -5,9 +5,11 @@
     ├── SessionClosedError         session_closed     409    error frame
     ├── MessageTooLongError        message_too_long   413    error frame (before the ack: nothing is stored)
     ├── ShuttingDownError          shutting_down      503    error frame (the server is draining; retry later)
+    ├── StartingError              starting           503    error frame, then close 1013 (not ready yet; Retry-After)
     ├── TenantNotFoundError        tenant_not_found   404    —
     ├── TenantExistsError          tenant_exists      409    —
     ├── KeyNotFoundError           key_not_found      404    —
+    ├── KeyRevokedError            key_revoked        409    —  (``kvchat keys revoke`` of a key revoked already)
     ├── RuleNotFoundError          rule_not_found     404    —
     ├── RuleReadOnlyError          rule_read_only     403    —  (a global rule: shadow it by name instead)
     ├── RuleExistsError            rule_exists        409    —
@@ -76,6 +78,18 @@ class ShuttingDownError(BackendError):
     status = 503
 
 
+class StartingError(BackendError):
+    """The server listens but its start is not done (``backend.core.startup``): retry in a few seconds."""
+
+    code = "starting"
+    status = 503
+    retry_after_s = 5
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+        super().__init__(f"kvchat is starting ({phase}); retry in a few seconds")
+
+
 class TenantNotFoundError(BackendError):
     code = "tenant_not_found"
     status = 404
@@ -89,6 +103,11 @@ class TenantExistsError(BackendError):
 class KeyNotFoundError(BackendError):
     code = "key_not_found"
     status = 404
+
+
+class KeyRevokedError(BackendError):
+    code = "key_revoked"
+    status = 409
 
 
 class RuleNotFoundError(BackendError):
@@ -131,6 +150,12 @@ def engine_error_code(exc: EngineError) -> str:
     if isinstance(exc, EngineStopped):
         return "unavailable"
     return "engine_error"
+
+
+def one_line_reason(exc: BaseException) -> str:
+    """The error's own message on one line (for a driver error, the driver's, which SQLAlchemy wraps)."""
+    inner = getattr(exc, "orig", None) or exc
+    return " ".join(str(inner).split()) or type(inner).__name__
 
 
 def error_location(loc: Iterable[object]) -> str:

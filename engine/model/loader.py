@@ -5,6 +5,9 @@
 * a HF folder with ``config.json`` and ``*.safetensors`` (+ tokenizer files, optional ``generation_config.json``);
 * a ``.gguf`` file.
 
+``locate_model`` finds a model and checks it can be read without converting anything (milliseconds), and says whether
+resolving it will convert it (``ModelSource.needs_conversion``), so a server can report that phase.
+
 A GGUF is dequantized once into a safetensors folder under ``<cache_dir>/models/<key>/`` (``key`` = sha256 of the
 file's first MiB and its size); later starts read that folder directly. The folder is written to a temporary sibling
 and renamed into place, so a crash never leaves a half-written cache. Beside the dense weights it keeps the GGUF's
@@ -17,6 +20,7 @@ keyed by each file's size and mtime, so a start does not rehash hundreds of MB.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -59,17 +63,46 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("KVCHAT_CACHE_DIR") or Path.home() / ".cache" / "kvchat")
 
 
-def resolve_model(name_or_path: str, cache_dir: str | None = None) -> ResolvedModel:
-    """Locate (and, for a GGUF, convert once) a model; raises ``ModelLoadError`` with the reason."""
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a model comes from, found without converting anything (``locate_model``)."""
+
+    path: Path  # a model folder, or a GGUF file
+    models_dir: Path  # where a GGUF's safetensors copy lives (``<cache_dir>/models``)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.is_file()
+
+    @property
+    def needs_conversion(self) -> bool:
+        """A GGUF whose safetensors copy is not there yet: resolving it converts it (about a minute on 2 cores)."""
+        return self.is_gguf and not (self.models_dir / gguf_cache_key(self.path) / "config.json").is_file()
+
+
+def locate_model(name_or_path: str, cache_dir: str | None = None) -> ModelSource:
+    """Find a model and check that it can be read, in milliseconds (a start checks this before it listens); raises
+    ``ModelLoadError`` with the reason."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if name_or_path == DEFAULT_MODEL:
-        folder = convert_gguf(_packaged_smollm2(), cache / "models")
+        path = _packaged_smollm2()
     else:
         path = Path(name_or_path).expanduser()
         if not path.exists():
             raise ModelLoadError(f"model path {str(path)!r} does not exist")
-        folder = convert_gguf(path, cache / "models") if path.is_file() else path
-    check_folder(folder)
+    if path.is_file():
+        _check_gguf_header(path)
+    else:
+        check_folder(path)
+    return ModelSource(path, cache / "models")
+
+
+def resolve_model(name_or_path: str, cache_dir: str | None = None) -> ResolvedModel:
+    """Locate (and, for a GGUF, convert once) a model; raises ``ModelLoadError`` with the reason."""
+    source = locate_model(name_or_path, cache_dir)
+    folder = convert_gguf(source.path, source.models_dir) if source.is_gguf else source.path
+    if source.is_gguf:
+        check_folder(folder)
     return ResolvedModel(folder, fingerprint(folder))
 
 
@@ -231,7 +264,7 @@ def convert_gguf(gguf: Path, models_dir: Path) -> Path:
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
     log.info(
-        "converting GGUF %s to safetensors under %s: once, about a minute on 2 cores (later starts take seconds)",
+        "converting GGUF %s to safetensors under %s, once (later starts read that copy)",
         gguf.name,
         target,
     )
@@ -272,6 +305,22 @@ def _heartbeat(what: str, every_s: float = 10.0) -> Iterator[None]:
         thread.join()
 
 
+@contextmanager
+def _without_progress_bar(module: Any) -> Iterator[None]:
+    """Run with ``module``'s ``tqdm`` disabled.
+
+    NOTE: transformers' GGUF reader draws its own tqdm bar (outside transformers' progress-bar switch and
+    ``HF_HUB_DISABLE_PROGRESS_BARS``); in a server log that is one line of carriage returns. The conversion logs one
+    line per step, and ``_heartbeat`` the time spent, instead.
+    """
+    original = module.tqdm
+    module.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        module.tqdm = original
+
+
 def _keep_blocks(gguf: Path, folder: Path) -> None:
     """Keep the GGUF's quantized blocks beside the dense weights (``gguf_blocks``); an optimisation, never fatal."""
     try:
@@ -296,7 +345,7 @@ def _convert_into(gguf: Path, out: Path) -> None:
     # which is not a dependency, and it would also materialise a full model only to save it again.
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     try:
         log.info("1/4 reading the GGUF's config")
@@ -307,7 +356,10 @@ def _convert_into(gguf: Path, out: Path) -> None:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
         log.info("2/4 dequantizing the weights to float32 (the long step)")
-        parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32)
+        with _without_progress_bar(gguf_utils):
+            parsed = gguf_utils.load_gguf_checkpoint(
+                str(gguf), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
+            )
         log.info("3/4 reading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except ModelLoadError:

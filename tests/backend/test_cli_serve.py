@@ -1,4 +1,5 @@
-"""``kvchat serve`` start-up checks that need no model: a busy port fails at once, in one line; JSON logs."""
+"""``kvchat serve`` start-up checks that need no model: a busy port fails at once, in one line; a start that fails
+after the server listens exits with one line too; JSON logs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from support.server import free_port
 from support.server_process import REPO_ROOT
 
 
@@ -42,6 +44,27 @@ def test_a_busy_port_fails_before_anything_loads(tmp_path: Path) -> None:
         "set KVCHAT_PORT"
     )
     assert "Traceback" not in done.stderr
+
+
+def test_a_start_that_fails_after_listening_exits_with_one_line(tmp_path: Path) -> None:
+    # NOTE: a GGUF header passes the check made before listening; the conversion, part of the start, fails.
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    env = {
+        "KVCHAT_DATA_DIR": str(tmp_path),
+        "KVCHAT_MODEL": str(broken),
+        "KVCHAT_MODEL_CACHE_DIR": str(tmp_path / "cache"),
+        "KVCHAT_PORT": str(free_port()),
+    }
+    done, _ = _run(env, "serve")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith(
+        "error: kvchat could not start: while converting model: cannot convert GGUF file 'broken.gguf': "
+    ), lines[-5:]
+    converting = "converting it to a safetensors cache, once (about a minute on 2 cores)"
+    assert any(line.endswith(converting) for line in lines)
 
 
 def test_json_logs_are_one_object_a_line(tmp_path: Path) -> None:

@@ -68,9 +68,33 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def phase(self) -> str | None:
+        """The phase ``/livez`` names, or None while nothing listens yet; raises when the process has exited."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"kvchat serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+        try:
+            response = httpx.get(f"{self.http}/livez", timeout=10)
+        except httpx.TransportError:
+            return None
+        phase: str = response.json()["phase"]
+        return phase
 
-def start_server_process(env: dict[str, str], log_path: Path, timeout_s: float = 120.0) -> ServerProcess:
-    """Start ``kvchat serve`` with ``env`` (on top of this process's env) and wait until ``/livez`` answers."""
+
+def start_server_process(env: dict[str, str], log_path: Path, timeout_s: float = 300.0) -> ServerProcess:
+    """Start ``kvchat serve`` with ``env`` (on top of this process's env) and wait until its start is done (``/livez``
+    answers from the first moment, with the phase: ``ready`` when it is done)."""
+    server = launch_server_process(env, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.phase() == "ready":
+            return server
+        time.sleep(0.1)
+    server.kill()
+    raise RuntimeError(f"kvchat serve was not ready within {timeout_s:.0f}s:\n{server.log()[-4000:]}")
+
+
+def launch_server_process(env: dict[str, str], log_path: Path) -> ServerProcess:
+    """Start ``kvchat serve`` with ``env`` and return at once (it listens before its start is done)."""
     port = free_port()
     full_env = os.environ | {"KVCHAT_HOST": "127.0.0.1", "KVCHAT_PORT": str(port)} | env
     with log_path.open("ab") as log:
@@ -81,16 +105,4 @@ def start_server_process(env: dict[str, str], log_path: Path, timeout_s: float =
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    server = ServerProcess(proc, port, log_path)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvchat serve exited with {proc.returncode}:\n{server.log()[-4000:]}")
-        try:
-            if httpx.get(f"{server.http}/livez", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    server.kill()
-    raise RuntimeError(f"kvchat serve did not answer /livez within {timeout_s:.0f}s:\n{server.log()[-4000:]}")
+    return ServerProcess(proc, port, log_path)
