@@ -1,7 +1,8 @@
 """One chat websocket, as an explicit state machine: CONNECTING → (hello) → OPEN → CLOSED.
 
 A reader task parses and dispatches frames; a writer task drains this socket's outgoing queue, so ``cancel`` is heard
-while tokens stream out. No database connection is held between frames (each step opens a short session).
+while tokens stream out. No database connection is held between frames (each step opens a short session). The socket
+is watched under the key it authenticated with: revoking or rotating that key closes it (4401 "key revoked").
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from backend.core import logs
 from backend.core.errors import BackendError, SessionNotFoundError
 from backend.core.metrics import Metrics
 from backend.db.models import KeyKind, Tenant
-from backend.services.tenants import authenticate
+from backend.services.tenants import KeyOwner, authenticate_key
 from engine.errors import EngineError
 
 log = logging.getLogger("kvchat.ws")
@@ -71,6 +72,7 @@ class ChatConnection:
         self.outbox: asyncio.Queue[str | object] = asyncio.Queue(maxsize=limits.max_queued_frames)
         self.queued_bytes = 0
         self.too_slow = asyncio.Event()
+        self.key_revoked = asyncio.Event()
         self.bucket = TokenBucket(limits.rate_per_s, limits.burst)
         self.tenant: Tenant | None = None
         self.session_id: str | None = None
@@ -102,9 +104,13 @@ class ChatConnection:
         writer = asyncio.create_task(self._write_loop(), name="ws-writer")
         token: int | None = None
         client: ConnectionKey | None = None
+        owner: KeyOwner | None = None
+        watching = 0
         try:
             hello = await self._read_hello()
-            self.tenant = await self._authenticate(hello)
+            owner = await self._authenticate(hello)
+            watching = self.service.hub.keys.watch(owner.key_id, self.key_revoked.set)
+            self.tenant = owner.tenant
             client = ConnectionKey(self.tenant.id, hello.external_ref or self._client_address())
             refusal = self.service.hub.try_connect(
                 client, self.limits.max_connections_per_tenant, self.limits.max_connections_per_client
@@ -132,6 +138,8 @@ class ChatConnection:
         finally:
             if token is not None and self.session_id is not None:
                 self.service.hub.unsubscribe(self.session_id, token)
+            if owner is not None:
+                self.service.hub.keys.unwatch(owner.key_id, watching)
             if client is not None:
                 self.service.hub.disconnect(client)
             writer.cancel()
@@ -140,17 +148,21 @@ class ChatConnection:
             self.metrics.open_sockets.dec()
 
     async def _read_until_closed(self) -> None:
-        """Read frames until the client leaves, or until it has stopped reading ours for too long."""
+        """Read frames until the client leaves, until its key is revoked, or until it has stopped reading ours for too
+        long."""
         reader = asyncio.create_task(self._read_loop(), name="ws-reader")
         slow = asyncio.create_task(self.too_slow.wait(), name="ws-too-slow")
+        revoked = asyncio.create_task(self.key_revoked.wait(), name="ws-key-revoked")
         try:
-            await asyncio.wait({reader, slow}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({reader, slow, revoked}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (reader, slow):
+            for task in (reader, slow, revoked):
                 task.cancel()
         if reader.done() and not reader.cancelled():
             reader.result()  # re-raises _Closed / WebSocketDisconnect
             return
+        if self.key_revoked.is_set():
+            raise _Closed(CloseCode.UNAUTHORIZED, "key revoked")
         raise _Closed(CloseCode.POLICY, f"the client is not reading its frames ({self.outbox.qsize()} queued)")
 
     # ---------------------------------------------------------------- reading
@@ -186,12 +198,12 @@ class ChatConnection:
             raise _Closed(CloseCode.UNAUTHORIZED, "the first frame must be hello")
         return frame
 
-    async def _authenticate(self, hello: Hello) -> Tenant:
+    async def _authenticate(self, hello: Hello) -> KeyOwner:
         async with self.service.sessionmaker() as db:
-            tenant = await authenticate(db, hello.token, KeyKind.CHAT)
-        if tenant is None:
+            owner = await authenticate_key(db, hello.token, KeyKind.CHAT)
+        if owner is None:
             raise _Closed(CloseCode.UNAUTHORIZED, "invalid token")
-        return tenant
+        return owner
 
     def _parse(self, data: str | None) -> Hello | UserMessage | Cancel | Ping | None:
         if data is None:

@@ -2,7 +2,8 @@
 and per client (a customer ref, else an IP address), so one customer cannot take a whole tenant's sockets.
 
 A turn publishes its frames to the session, not to the socket that asked, so a customer who reconnects (or opens the
-chat twice) sees the reply continue in every open window.
+chat twice) sees the reply continue in every open window. ``keys`` watches which key opened each socket, so revoking
+that key closes it (``backend/services/revocation.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from backend.chat.protocol import ServerFrame
+from backend.services.revocation import KeyWatch
 
 Send = Callable[[ServerFrame], None]
 
@@ -30,6 +32,7 @@ class SessionHub:
         self._tenant_connections: dict[str, int] = defaultdict(int)
         self._client_connections: dict[ConnectionKey, int] = defaultdict(int)
         self._next_token = 0
+        self.keys = KeyWatch()
 
     def subscribe(self, session_id: str, send: Send) -> int:
         self._next_token += 1

@@ -26,6 +26,7 @@ from backend.db.models import ApiKey, HistoryPolicy, KeyKind, SplitterRule, Tena
 from backend.services import cache_admin, context_store, tenants
 from backend.services.cache_admin import PrefixEdit
 from backend.services.context_store import ContextSettings
+from backend.services.revocation import KeyWatch
 from backend.services.tenants import IssuedKey
 from engine.llm_engine import LLMEngine
 
@@ -69,15 +70,19 @@ async def set_policy_text(
     return await cache_admin.prefix_edited(db, engine, namespaces, tenant)
 
 
-async def rotate_key(db: AsyncSession, tenant_id: str, kind: KeyKind) -> IssuedKey:
+async def rotate_key(db: AsyncSession, tenant_id: str, kind: KeyKind, watch: KeyWatch) -> IssuedKey:
+    """Issue a new key of ``kind`` and revoke the old ones; the sockets they opened are closed (this process's at
+    once, the other processes' when the commit's notification reaches them)."""
     issued = await tenants.rotate_key(db, tenant_id, kind)
     await db.commit()
+    watch.revoked(issued.revoked)
     return issued
 
 
-async def revoke_key(db: AsyncSession, tenant_id: str, key_id: str) -> ApiKey:
+async def revoke_key(db: AsyncSession, tenant_id: str, key_id: str, watch: KeyWatch) -> ApiKey:
     key = await tenants.revoke_key(db, key_id, tenant_id)
     await db.commit()
+    watch.revoked([key.id])
     return key
 
 

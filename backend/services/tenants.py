@@ -1,10 +1,13 @@
 """Tenants and their API keys: first-start bootstrap, creation, key issue / rotation / revocation, authentication.
 
-A key is shown once, when it is issued; only its sha256 is stored (``backend/core/security.py``).
+A key is shown once, when it is issued; only its sha256 is stored (``backend/core/security.py``). Rotating or
+revoking a key announces it in the same transaction (``revocation.announce_revoked``), so the live connections opened
+with it are closed in every server process once the transaction commits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 from dataclasses import dataclass
 
@@ -15,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from backend.core.errors import KeyNotFoundError, TenantExistsError, TenantNotFoundError
 from backend.core.security import display_prefix, generate_key, hash_key
 from backend.db.models import ApiKey, KeyKind, Tenant, utcnow
+from backend.services.revocation import announce_revoked
 
 DEFAULT_TENANT = "default"
 DEFAULT_SYSTEM_PROMPT = (
@@ -69,6 +73,15 @@ class IssuedKey:
     kind: KeyKind
     key: str
     prefix: str
+    revoked: tuple[str, ...] = ()  # the ids of the keys a rotation revoked
+
+
+@dataclass(frozen=True, slots=True)
+class KeyOwner:
+    """Who a key authenticates: its tenant, and the key's id (the live connections opened with it are watched)."""
+
+    tenant: Tenant
+    key_id: str
 
 
 async def create_tenant(db: AsyncSession, name: str, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> Tenant:
@@ -122,12 +135,16 @@ async def issue_key(db: AsyncSession, tenant_id: str, kind: KeyKind) -> IssuedKe
 
 async def rotate_key(db: AsyncSession, tenant_id: str, kind: KeyKind) -> IssuedKey:
     """Revoke every active key of ``kind`` and issue one new key, in the caller's transaction."""
-    await db.execute(
+    revoked = await db.execute(
         update(ApiKey)
         .where(ApiKey.tenant_id == tenant_id, ApiKey.kind == kind.value, ApiKey.revoked_at.is_(None))
         .values(revoked_at=utcnow())
+        .returning(ApiKey.id)
     )
-    return await issue_key(db, tenant_id, kind)
+    ids = tuple(revoked.scalars())
+    await announce_revoked(db, ids)
+    issued = await issue_key(db, tenant_id, kind)
+    return dataclasses.replace(issued, revoked=ids)
 
 
 async def revoke_key(db: AsyncSession, key_id: str, tenant_id: str | None = None) -> ApiKey:
@@ -141,6 +158,7 @@ async def revoke_key(db: AsyncSession, key_id: str, tenant_id: str | None = None
     if key.revoked_at is None:
         key.revoked_at = utcnow()
         await db.flush()
+        await announce_revoked(db, [key.id])
     return key
 
 
@@ -158,18 +176,23 @@ async def add_key(db: AsyncSession, tenant_id: str, kind: KeyKind, key: str) -> 
 
 async def authenticate(db: AsyncSession, key: str, kind: KeyKind) -> Tenant | None:
     """The tenant owning ``key`` for ``kind`` (chat or admin), or None. Revoked keys never authenticate."""
+    owner = await authenticate_key(db, key, kind)
+    return owner.tenant if owner is not None else None
+
+
+async def authenticate_key(db: AsyncSession, key: str, kind: KeyKind) -> KeyOwner | None:
+    """``authenticate``, with the key's id."""
     if not key:
         return None
     digest = hash_key(key)
     # NOTE: looked up by the key's sha256, so how long the lookup takes says nothing about the key itself; the
     # digest is compared once more in constant time, so no comparison of ours ever ends early on a secret.
     row = await db.execute(
-        select(Tenant, ApiKey.key_hash)
+        select(Tenant, ApiKey.key_hash, ApiKey.id)
         .join(ApiKey, ApiKey.tenant_id == Tenant.id)
         .where(ApiKey.key_hash == digest, ApiKey.kind == kind.value, ApiKey.revoked_at.is_(None))
     )
     found = row.first()
     if found is None or not hmac.compare_digest(found[1], digest):
         return None
-    tenant: Tenant = found[0]
-    return tenant
+    return KeyOwner(found[0], found[2])

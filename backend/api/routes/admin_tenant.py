@@ -208,16 +208,20 @@ async def list_keys(tenant: AdminDep, db: DbDep) -> list[KeyOut]:
 
 
 @router.post("/keys/rotate", response_model=IssuedKeyOut, dependencies=[audited("key.rotate")])
-async def rotate_key(body: RotateIn, tenant: AdminDep, db: DbDep) -> IssuedKeyOut:
-    """Revoke every active key of ``kind`` (``chat`` or ``admin``) and issue a new one, shown once."""
-    issued = await tenant_admin.rotate_key(db, tenant.id, body.kind)
+async def rotate_key(body: RotateIn, tenant: AdminDep, db: DbDep, state: StateDep) -> IssuedKeyOut:
+    """Revoke every active key of ``kind`` (``chat`` or ``admin``) and issue a new one, shown once. The websockets
+    opened with a revoked key are closed (4401 "key revoked")."""
+    issued = await tenant_admin.rotate_key(db, tenant.id, body.kind, state.chat.hub.keys)
     return IssuedKeyOut(id=issued.id, kind=issued.kind.value, prefix=issued.prefix, key=issued.key)
 
 
 @router.post("/keys/{key_id}/revoke", response_model=KeyOut, dependencies=[audited("key.revoke")])
-async def revoke_key(key_id: Annotated[SafeText, Path(max_length=36)], tenant: AdminDep, db: DbDep) -> KeyOut:
-    """Revoke one of the tenant's keys (its requests are refused from now on)."""
-    return KeyOut.of(await tenant_admin.revoke_key(db, tenant.id, key_id))
+async def revoke_key(
+    key_id: Annotated[SafeText, Path(max_length=36)], tenant: AdminDep, db: DbDep, state: StateDep
+) -> KeyOut:
+    """Revoke one of the tenant's keys: its requests are refused from now on, and the websockets it opened are
+    closed (4401 "key revoked"); a ``/v1`` stream already running finishes."""
+    return KeyOut.of(await tenant_admin.revoke_key(db, tenant.id, key_id, state.chat.hub.keys))
 
 
 @router.get("/context-settings", response_model=ContextSettingsIO)
