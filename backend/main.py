@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -31,73 +33,56 @@ from backend.api.routes import metrics as metrics_route
 from backend.chat.hub import SessionHub
 from backend.chat.service import ChatService, ReplyConfig
 from backend.core.config import Settings
+from backend.core.errors import one_line_reason
 from backend.core.heap import long_lived_heap_frozen
 from backend.core.logs import RequestIdMiddleware
 from backend.core.metrics import Metrics, instrument_database
 from backend.core.namespaces import Namespaces, load_secret
+from backend.core.startup import STARTUP_ERRORS, Phase, Startup
 from backend.core.state import AppState
 from backend.db import migrate
 from backend.db.engine import create_db_engine, create_sessionmaker, peer_workers, worker_name
 from backend.services import cache_admin
 from backend.services.context_service import ContextService
+from backend.services.revocation import RevocationFeed
 from backend.services.tenants import BootstrapResult, bootstrap_default_tenant
 from engine.llm_engine import LLMEngine
+from engine.model.loader import locate_model, resolve_model
 
 log = logging.getLogger("kvchat")
-from backend.services.revocation import RevocationFeed
 FRONTEND_DIR = Path(__file__).resolve().parents[1] / "frontend_stub"
 
 
-def create_app(settings: Settings | None = None, engine: LLMEngine | None = None) -> FastAPI:
-    """Build the app. Pass ``engine`` to share an already-built engine (the caller then owns its lifetime)."""
+def create_app(
+    settings: Settings | None = None, engine: LLMEngine | None = None, *, serve_while_starting: bool = False
+) -> FastAPI:
+    """Build the app. Pass ``engine`` to share an already-built engine (the caller then owns its lifetime).
+
+    ``serve_while_starting`` (``kvchat serve``): the lifespan returns at once and the start runs beside the server, so
+    HTTP answers during a model conversion or load (``/livez`` names the phase; everything that needs the start done
+    answers 503 ``starting``). Otherwise the lifespan returns when the app is ready, or raises why it cannot be.
+    """
     settings = settings or Settings()
+    startup = Startup()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        url = settings.resolved_database_url
-        if settings.run_migrations_on_start:
-            # NOTE: Alembic's env.py runs its own event loop, so it must not run on this one.
-            await asyncio.to_thread(migrate.upgrade, url)
-        name = worker_name()
-        db_engine = create_db_engine(url, application_name=name)
-        sessionmaker = create_sessionmaker(db_engine)
-        metrics = Metrics()
-        namespaces = Namespaces(load_secret(settings.secret_key, settings.data_dir))
-        boot = await bootstrap_default_tenant(sessionmaker, settings.bootstrap_chat_token, settings.bootstrap_admin_key)
-        _announce_keys(boot)
-        own_engine = engine is None
-        llm = engine or LLMEngine(settings.engine_config())
-        if not llm.is_running:
-            log.info("loading model %s (the first start converts it once)…", settings.model)
-            await llm.start()
-        reply = ReplyConfig(settings.reply_max_tokens, settings.reply_temperature, settings.reply_top_p)
-        metrics.watch_engine(llm)
-        instrument_database(db_engine, metrics)
-        context = ContextService(sessionmaker, llm, namespaces)
-        chat = ChatService(sessionmaker, llm, SessionHub(), context, reply, settings.test_commit_delay_seconds, metrics)
-        await _recover_interrupted_turns(chat, db_engine, name)
-        pinned = await cache_admin.pin_at_start(sessionmaker, llm, namespaces)
-        if pinned:
-            log.info("pinned the system + policy prefix of %d tenant(s)", pinned)
-        app.state.kvchat = AppState(settings, db_engine, sessionmaker, llm, chat, metrics, namespaces)
-        sweeper = asyncio.create_task(_sweep_idle_sessions(chat, settings.session_timeout_seconds))
-        base = f"http://{settings.host}:{settings.port}"
-        log.info("kvchat ready: chat page %s/chat (websocket /ws/chat), API docs %s/docs", base, base)
-        try:
-            with long_lived_heap_frozen():  # (full GC passes would otherwise stall every request: backend/core/heap.py)
+        async with contextlib.AsyncExitStack() as owned:
+            start = asyncio.create_task(_start(app, settings, engine, startup, owned, raises=not serve_while_starting))
+            if not serve_while_starting:
+                await start
+            try:
                 yield
-        finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
-            cut = await chat.drain(settings.shutdown_grace_seconds)  # a no-op after kvchat serve's own drain
-            if cut.cut_off:
-                log.warning("shutdown cut off %d repl(ies); stored as incomplete", cut.cut_off)
-            if own_engine:
-                await llm.stop()
-            await db_engine.dispose()
+            finally:
+                if not start.done():
+                    start.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await start
+        # NOTE: leaving ``owned`` undid what the start did, in reverse: the heap freeze, the sweeper, the chat
+        # (drained), the engine (when this app built it), the database engine.
 
     app = FastAPI(title="kvchat", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.startup = startup
     boundary.install(app, settings.max_request_bytes)
     app.add_middleware(RequestIdMiddleware)
     docs.install(app)
@@ -127,6 +112,120 @@ def create_app(settings: Settings | None = None, engine: LLMEngine | None = None
     app.mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static")
 
     return app
+
+
+async def _start(
+    app: FastAPI,
+    settings: Settings,
+    engine: LLMEngine | None,
+    startup: Startup,
+    owned: contextlib.AsyncExitStack,
+    *,
+    raises: bool,
+) -> None:
+    """Migrate, load the model (converting it on a first start), recover, then publish ``app.state.kvchat``. What it
+    opens goes on ``owned``, which the lifespan closes. A failure is recorded on ``startup`` (``kvchat serve`` then
+    exits with that one line), and raised when ``raises``."""
+    try:
+        await _start_phases(app, settings, engine, startup, owned)
+    except asyncio.CancelledError:
+        raise
+    except STARTUP_ERRORS as exc:
+        startup.fail(f"while {startup.phase}: {one_line_reason(exc)}")
+        if raises:
+            raise
+    except Exception as exc:
+        log.exception("the start failed while %s", startup.phase)
+        startup.fail(f"while {startup.phase}: {type(exc).__name__} (the traceback is in the log)")
+        if raises:
+            raise
+
+
+async def _start_phases(
+    app: FastAPI, settings: Settings, engine: LLMEngine | None, startup: Startup, owned: contextlib.AsyncExitStack
+) -> None:
+    url = settings.resolved_database_url
+    if settings.run_migrations_on_start:
+        startup.enter(Phase.MIGRATING, "migrating the database")
+        # NOTE: Alembic's env.py runs its own event loop, so it must not run on this one.
+        await asyncio.to_thread(migrate.upgrade, url)
+    name = worker_name()
+    db_engine = create_db_engine(url, application_name=name)
+    owned.push_async_callback(db_engine.dispose)
+    sessionmaker = create_sessionmaker(db_engine)
+    metrics = Metrics()
+    namespaces = Namespaces(load_secret(settings.secret_key, settings.data_dir))
+    boot = await bootstrap_default_tenant(sessionmaker, settings.bootstrap_chat_token, settings.bootstrap_admin_key)
+    _announce_keys(boot)
+    llm = engine or LLMEngine(settings.engine_config())
+    if engine is None:
+        owned.push_async_callback(llm.stop)
+    if not llm.is_running:
+        await _load_model(llm, startup)
+    reply = ReplyConfig(settings.reply_max_tokens, settings.reply_temperature, settings.reply_top_p)
+    metrics.watch_engine(llm)
+    instrument_database(db_engine, metrics)
+    context = ContextService(sessionmaker, llm, namespaces)
+    chat = ChatService(sessionmaker, llm, SessionHub(), context, reply, settings.test_commit_delay_seconds, metrics)
+    owned.push_async_callback(_drain, chat, settings.shutdown_grace_seconds)
+    revocations = RevocationFeed(url, sessionmaker, chat.hub.keys)  # revoked keys close their sockets, any process
+    revocations.start()
+    owned.push_async_callback(revocations.stop)
+    startup.enter(Phase.RECOVERING, "marking replies a crash cut off, pinning prefixes")
+    await _recover_interrupted_turns(chat, db_engine, name)
+    pinned = await cache_admin.pin_at_start(sessionmaker, llm, namespaces)
+    if pinned:
+        log.info("pinned the system + policy prefix of %d tenant(s)", pinned)
+    sweeper = asyncio.create_task(_sweep_idle_sessions(chat, settings.session_timeout_seconds))
+    owned.push_async_callback(_cancel, sweeper)
+    owned.enter_context(long_lived_heap_frozen())  # (full GC passes would otherwise stall every request: core/heap.py)
+    app.state.kvchat = AppState(settings, db_engine, sessionmaker, llm, chat, metrics, namespaces)
+    base = f"http://{settings.host}:{settings.port}"
+    startup.enter(
+        Phase.READY,
+        f"kvchat ready: chat page {base}/chat (websocket /ws/chat), dashboard {base}/dashboard, API docs {base}/docs",
+    )
+
+
+async def _load_model(llm: LLMEngine, startup: Startup) -> None:
+    model, cache_dir = llm.config.model, llm.config.cache_dir
+    startup.enter(Phase.LOADING_MODEL, f"loading the model {model}")
+    if locate_model(model, cache_dir).needs_conversion:
+        startup.enter(Phase.CONVERTING_MODEL, "converting it to a safetensors cache, once (about a minute on 2 cores)")
+        await _in_daemon_thread(resolve_model, model, cache_dir)
+        startup.enter(Phase.LOADING_MODEL, "loading the converted model")
+    await llm.start()
+
+
+async def _in_daemon_thread(fn: Callable[..., object], *args: object) -> None:
+    """Run ``fn`` on a thread of its own that does not hold the process at exit.
+
+    NOTE: not ``asyncio.to_thread``: the loop's executor is joined when ``asyncio.run`` ends, so a Ctrl-C during a
+    conversion would wait for the whole conversion. A conversion writes to a temporary folder and renames it into
+    place, so abandoning one leaves no half-written cache.
+    """
+    done: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task, which raises it
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="kvchat-start", daemon=True).start()
+    await asyncio.wrap_future(done)
+
+
+async def _drain(chat: ChatService, grace_s: float) -> None:
+    cut = await chat.drain(grace_s)  # a no-op after kvchat serve's own drain
+    if cut.cut_off:
+        log.warning("shutdown cut off %d repl(ies); stored as incomplete", cut.cut_off)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _recover_interrupted_turns(chat: ChatService, db_engine: AsyncEngine, name: str) -> None:
@@ -163,6 +262,3 @@ def _announce_keys(boot: BootstrapResult) -> None:
         print(f"kvchat: default tenant chat token (also an OpenAI API key): {boot.generated_chat_token}", flush=True)
     if boot.generated_admin_key:
         print(f"kvchat: default tenant admin API key: {boot.generated_admin_key}", flush=True)
-    revocations = RevocationFeed(url, sessionmaker, chat.hub.keys)  # revoked keys close their sockets, any process
-    revocations.start()
-    owned.push_async_callback(revocations.stop)
