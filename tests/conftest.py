@@ -16,6 +16,7 @@ import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,26 +195,36 @@ def pg_template(pg_server: PgServer) -> Iterator[str]:
         asyncio.run(_admin(pg_server.admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
-@pytest.fixture
-def pg_url(pg_server: PgServer, pg_template: str) -> Iterator[str]:
-    """A database at schema head, isolated to this test (asyncpg URL)."""
-    name = f"kvchat_t_{secrets.token_hex(6)}"
+@contextmanager
+def _clone_of_template(pg_server: PgServer, pg_template: str, prefix: str) -> Iterator[str]:
+    """A new database cloned from the template (asyncpg URL); dropped afterwards."""
+    name = f"{prefix}{secrets.token_hex(6)}"
     asyncio.run(_admin(pg_server.admin_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
     try:
         yield pg_server.async_url_for(name)
     finally:
         asyncio.run(_admin(pg_server.admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def pg_url(pg_server: PgServer, pg_template: str) -> Iterator[str]:
+    """A database at schema head, isolated to this test (asyncpg URL)."""
+    with _clone_of_template(pg_server, pg_template, "kvchat_t_") as url:
+        yield url
+
+
+@pytest.fixture
+def pg_other_url(pg_server: PgServer, pg_template: str) -> Iterator[str]:
+    """A second database at schema head on the same server, e.g. for a neighbour kvchat server (asyncpg URL)."""
+    with _clone_of_template(pg_server, pg_template, "kvchat_t_") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def pg_module_url(pg_server: PgServer, pg_template: str) -> Iterator[str]:
     """A database at schema head shared by the tests of one module (for suites that need one server, not one each)."""
-    name = f"kvchat_m_{secrets.token_hex(6)}"
-    asyncio.run(_admin(pg_server.admin_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
-    try:
-        yield pg_server.async_url_for(name)
-    finally:
-        asyncio.run(_admin(pg_server.admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with _clone_of_template(pg_server, pg_template, "kvchat_m_") as url:
+        yield url
 
 
 @pytest.fixture

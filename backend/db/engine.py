@@ -58,7 +58,12 @@ async def ping(url: str, timeout_s: float = 10.0) -> None:
 
 def worker_name() -> str:
     """A name for this serving process's database connections, unique among processes."""
-    return f"{WORKER_PREFIX}{os.getpid()}:{secrets.token_hex(4)}"
+    return f"{worker_prefix(os.getpid())}{secrets.token_hex(4)}"
+
+
+def worker_prefix(pid: int) -> str:
+    """What every connection name of the serving process ``pid`` starts with (``worker_name``)."""
+    return f"{WORKER_PREFIX}{pid}:"
 
 
 def create_db_engine(url: str, application_name: str | None = None) -> AsyncEngine:

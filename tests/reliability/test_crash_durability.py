@@ -7,8 +7,9 @@ resume every session with ``last_seq``, and check what was promised.
 * a resume replays every message after ``last_seq``: no gaps, no duplicates; seqs in the database are 1..n.
 
 Kill points rotate: right after an ack, mid-stream (after the k-th delta), inside the reply's commit (the
-``KVCHAT_TEST_COMMIT_DELAY_SECONDS`` hook holds each reply's transaction open), and after a random delay. (A disk-tier
-write is not a kill point yet: that tier does not exist.) ``make test`` runs 10 crashes; ``make soak`` 100.
+``KVCHAT_TEST_COMMIT_DELAY_SECONDS`` hook holds each reply's transaction open), and after a random delay. (Kills in
+the middle of a disk-tier write are ``tests/engine/kv/test_disk_kill.py``.) ``make test`` runs 10 crashes; ``make
+soak`` 100. One more test runs the rounds beside a second kvchat server on the same Postgres.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from reliability.soak import only_in_soak, rounds
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from backend.db.engine import WORKER_PREFIX
+from backend.db.engine import worker_prefix
 from backend.db.models import Message
 from support.server_process import ServerProcess, start_server_process, tiny_server_env
 
@@ -36,6 +37,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
 CUSTOMERS = 3
 KILL_POINTS = ("after_ack", "mid_stream", "in_commit", "random")
+SESSIONS_DEADLINE_S = 120.0  # generous: Postgres notices a dead client at once, but a loaded CI box may be slow
 
 
 @dataclass(slots=True)
@@ -88,23 +90,39 @@ async def _db_rows(pg_url: str) -> list[Any]:
         await engine.dispose()
 
 
-async def _wait_for_workers_gone(pg_url: str) -> None:
-    """After kill -9, Postgres ends the dead process's sessions once it sees their sockets close; wait for that."""
+async def _worker_sessions(pg_url: str, pid: int) -> int:
+    """The database sessions the kvchat server ``pid`` holds on this test's database.
+
+    NOTE: scoped to this database and to that process's own connection names (they carry its pid:
+    ``backend.db.engine.worker_prefix``): another kvchat server on the same Postgres is another test's business.
+    """
     engine = create_async_engine(pg_url)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            async with engine.connect() as conn:
-                live = await conn.scalar(
-                    text("SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE :p"),
-                    {"p": WORKER_PREFIX + "%"},
-                )
-            if not live:
-                return
-            await asyncio.sleep(0.1)
-        raise AssertionError("the killed server's database sessions did not end")
+        async with engine.connect() as conn:
+            count = await conn.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND application_name LIKE :prefix"
+                ),
+                {"prefix": worker_prefix(pid) + "%"},
+            )
+        return int(count or 0)
     finally:
         await engine.dispose()
+
+
+async def _until_sessions(pg_url: str, pid: int, gone: bool) -> None:
+    """Poll until the server ``pid`` holds no session on the database (``gone``), or holds one.
+
+    After kill -9, Postgres ends the dead process's sessions once it sees their sockets close; the next start must not
+    take them for a live peer (it would leave the cut-off turns unmarked).
+    """
+    deadline = time.monotonic() + SESSIONS_DEADLINE_S
+    while (await _worker_sessions(pg_url, pid) == 0) != gone:
+        if time.monotonic() > deadline:
+            state = "still holds" if gone else "never opened"
+            raise AssertionError(f"kvchat server {pid} {state} database sessions after {SESSIONS_DEADLINE_S:.0f}s")
+        await asyncio.sleep(0.1)
 
 
 def _check_database(rows: list[Any], customers: list[Customer], tally: Tally, settled: bool) -> None:
@@ -157,7 +175,7 @@ async def _crash_rounds(n: int, pg_url: str, model_dir: Path, tmp_path: Path, se
             if last:
                 server.terminate()
             server.kill()
-        await _wait_for_workers_gone(pg_url)
+        await _until_sessions(pg_url, server.proc.pid, gone=True)
     _check_database(await _db_rows(pg_url), customers, tally, settled=True)
     tally.gaps = sum(len(c.replay.gaps) for c in customers)
     assert [(c.name, c.replay.gaps, c.replay.duplicates) for c in customers] == [(c.name, [], []) for c in customers]
@@ -183,6 +201,25 @@ async def test_every_acknowledged_message_survives_kill_9(pg_url: str, tiny_mode
     print(tally.line())
     assert tally.crashes == rounds(10)
     assert tally.acked > rounds(10)
+
+
+async def test_kill_9_rounds_pass_beside_another_kvchat_server_on_the_same_postgres(
+    pg_url: str, pg_other_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 27: with a second kvchat server connected to the same Postgres (its own database), every round still
+    waits only for its own server's sessions, and every promise holds."""
+    neighbour_dir = tmp_path / "neighbour"
+    neighbour_dir.mkdir()
+    env = tiny_server_env(pg_other_url, tiny_model_dir, neighbour_dir, run_migrations_on_start="false")
+    neighbour = await asyncio.to_thread(start_server_process, env, tmp_path / "neighbour.log")
+    try:
+        await _until_sessions(pg_other_url, neighbour.proc.pid, gone=False)  # it is connected
+        tally = await _crash_rounds(len(KILL_POINTS), pg_url, tiny_model_dir, tmp_path, seed=22)
+        assert await _worker_sessions(pg_other_url, neighbour.proc.pid) > 0  # and it stayed connected throughout
+    finally:
+        neighbour.terminate()
+    print(tally.line())
+    assert tally.crashes == len(KILL_POINTS)
 
 
 @pytest.mark.soak
