@@ -32,7 +32,7 @@ from backend.context.rules import DEFAULT_RULES, RuleSet
 from backend.context.splitter import Splitter
 from backend.context.topic import TopicSettings, TopicTracker, identifier_keys
 from backend.db.models import HistoryPolicy, MessageRole
-from backend.services.context_service import shared_backend
+from backend.services.context_service import shared_scorer
 from bench.datasets import CONVERSATIONS, GUIDELINES, DataNotFoundError, read_text, resolve
 from bench.workload import render_policy, system_prompt
 from engine.config import EngineConfig
@@ -119,7 +119,7 @@ def score_session(
     """Replay one session through the context layer; score its last ``score_last`` agent replies per policy."""
     rules = RuleSet.compile(DEFAULT_RULES)
     settings = TopicSettings()
-    tracker = TopicTracker(settings, shared_backend(settings.backend), identifier_keys(rules))
+    tracker = TopicTracker(settings, shared_scorer(settings.backend), identifier_keys(rules))
     splitter = Splitter(rules, lambda text: len(engine.tokenizer.encode(text, add_special_tokens=False)))
     history: list[HistoryMessage] = []
     blocks: list[Block] = []

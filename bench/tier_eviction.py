@@ -82,15 +82,15 @@ def build_steps(sessions: Sequence[Session], active: int, seed: int) -> list[Ste
     from backend.context.rules import DEFAULT_RULES, RuleSet
     from backend.context.similarity import TfidfSimilarity
     from backend.context.splitter import Splitter, word_count
-    from backend.context.topic import TopicTracker, identifier_keys, tuned
+    from backend.context.topic import CosineScorer, TopicTracker, identifier_keys, tuned
 
     rules = RuleSet.compile(DEFAULT_RULES)
     splitter = Splitter(rules, word_count)
     ident = functools.lru_cache(maxsize=None)(identifier_keys(rules))
-    backend = TfidfSimilarity()
+    scorer = CosineScorer(TfidfSimilarity())
     temperatures: dict[tuple[int, int], float] = {}
     for i, session in enumerate(sessions):
-        tracker = TopicTracker(tuned("tfidf"), backend, ident)
+        tracker = TopicTracker(tuned("tfidf"), scorer, ident)
         for turn in session.turns:
             temperatures[(i, turn.index)] = tracker.observe_customer(turn.user).temperature
             tracker.observe_context(turn.reference_reply)

@@ -16,6 +16,8 @@ class BlockType(StrEnum):
     CLAUSE_REFERENCE = "clause_reference"
     IDENTIFIER = "identifier"
     CODE = "code"
+    HANDOFF = "handoff"  # the customer asks for a human agent (``acts.HANDOFF``)
+    GREETING = "greeting"  # a sentence that only greets (``acts.GREETING``)
     CONTEXT = "context"  # the fallback: text no rule claimed
 
 

@@ -4,8 +4,9 @@ The prompt is assembled in a fixed order:
 
 1. the tenant's system prompt and policy text (``prefix_segments``), alone at the start and byte for byte the same in
    every session and every turn, so their KV blocks are shared by all of the tenant's sessions (and can be pinned);
-2. the session's pinned context (customer facts), then the blocks the history below leaves out but a support chat
-   must never lose: identifier blocks (order, account, ticket numbers, e-mails, phones) and clause references;
+2. the session's pinned context (customer facts), then the blocks of left-out messages that the kept history still
+   depends on (``CarryMode``; by default ``referenced``: the steps and sections a kept block refers to through its
+   ``parent`` link, and the identifier blocks whose order or account numbers the kept messages name again);
 3. the history, by the tenant's policy:
    - ``full``: every turn (the oldest go only when the budget forces it);
    - ``epoch``: the current topic epoch in full; earlier epochs survive only through their blocks in part 2;
@@ -41,9 +42,26 @@ PINNED_CONTEXT = "pinned_context"
 PREFIX_TYPES = frozenset({SYSTEM_PROMPT, POLICY_TEXT})  # part 1: the tenant-wide prefix
 
 CARRIED_TYPES = frozenset({BlockType.IDENTIFIER, BlockType.CLAUSE_REFERENCE})
+REFERENCE_TARGETS = frozenset({BlockType.STEP, BlockType.SECTION})
+Identify = Callable[[str], frozenset[str]]
 CARRIED_HEADER = "Noted earlier in this conversation:"
 _SEPARATOR = "\n\n"
 _ITEM = "\n- "
+
+
+class CarryMode(StrEnum):
+    """Which blocks of left-out messages part 2 carries.
+
+    - ``referenced``: those the kept history depends on: a kept block's ``parent`` when it is a step or section, or
+      in another epoch (the splitter links across epochs only for "step 2 of that" and "per section 4"), and each
+      identifier block naming an order, account or ticket number that a kept message names again;
+    - ``typed``: every identifier and clause-reference block, referenced or not;
+    - ``none``: nothing.
+    """
+
+    REFERENCED = "referenced"
+    TYPED = "typed"
+    NONE = "none"
 
 
 class DropReason(StrEnum):
@@ -77,6 +95,8 @@ class ContextRequest:
     policy_text: str = ""
     policy_budget_tokens: int | None = None  # the ``budget`` policy's own limit (None: only ``budget_tokens``)
     block_ids: Mapping[BlockKey, int] = field(default_factory=dict)
+    carry: CarryMode = CarryMode.REFERENCED
+    identify: Identify | None = None  # a text's identifier keys (``topic.identifier_keys``); None: none match
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,11 +160,34 @@ def _choices(request: ContextRequest) -> Iterator[_Choice]:
     earlier = [m for m in request.history if m.seq in left_out_seqs]
     for n, start in enumerate(starts):
         dropped = over + tuple(Dropped(m.seq, DropReason.BUDGET) for m in history[:start])
-        carried = tuple(b for m in (*earlier, *history[:start]) for b in m.blocks if b.type in CARRIED_TYPES)
+        carried = _carried(request, (*earlier, *history[:start]), history[start:])
         yield _Choice(history[start:], dropped, carried)
         if n == len(starts) - 1:
             for first in range(1, len(carried) + 1):  # the last resort: the oldest carried blocks go too
                 yield _Choice(history[start:], dropped, carried[first:])
+
+
+def _carried(
+    request: ContextRequest, left_out: Sequence[HistoryMessage], kept: Sequence[HistoryMessage]
+) -> tuple[Block, ...]:
+    """The blocks of ``left_out`` that part 2 carries under ``request.carry``, in conversation order."""
+    blocks = [b for m in left_out for b in m.blocks]
+    if request.carry is CarryMode.NONE:
+        return ()
+    if request.carry is CarryMode.TYPED:
+        return tuple(b for b in blocks if b.type in CARRIED_TYPES)
+    by_key = {b.key: b for b in blocks}
+    wanted = {
+        b.parent
+        for m in kept
+        for b in m.blocks
+        if b.parent in by_key and (by_key[b.parent].type in REFERENCE_TARGETS or by_key[b.parent].epoch != b.epoch)
+    }
+    identify = request.identify
+    if identify is not None:
+        named = frozenset().union(*(identify(m.content) for m in kept))
+        wanted |= {b.key for b in blocks if b.type is BlockType.IDENTIFIER and identify(b.text) & named}
+    return tuple(b for b in blocks if b.key in wanted)
 
 
 def _render(request: ContextRequest, choice: _Choice) -> SegmentedPrompt:

@@ -22,6 +22,7 @@ from typing import Any
 
 import re2
 
+from backend.context.acts import GREETING, HANDOFF
 from backend.context.blocks import BlockType
 from backend.context.errors import InvalidRuleError
 
@@ -272,6 +273,8 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     Rule(
         "clause_reference_zh_terms", r"(?:根据|按照|依据)[^。！？\n]{0,30}?条款", BlockType.CLAUSE_REFERENCE, 59, "zh"
     ),
+    Rule("handoff_request", HANDOFF, BlockType.HANDOFF, 58),
+    Rule("greeting", GREETING, BlockType.GREETING, 55),
     Rule("question_en", r"\?", BlockType.QUESTION, 50, "en"),
     Rule("question_zh", r"？|[吗呢嘛][。.!！]?\s*$", BlockType.QUESTION, 50, "zh"),
 )

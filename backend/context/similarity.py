@@ -8,7 +8,8 @@
 - ``minilm``: all-MiniLM-L6-v2 sentence embeddings (``minilm.py``), cosine with the centroid of the context's
   embeddings. Embeddings are cached per text (a session re-reads its window on every message).
 
-``bench/topic_shift.py`` measures both; the better one is ``DEFAULT_BACKEND``.
+``topic.CosineScorer`` turns either into a topic scorer; ``bench/topic_shift.py`` measures both next to the
+topic-shift classifier (whose ``clf-minilm`` variant embeds with ``MiniLMSimilarity.embed``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 
 from backend.context.errors import UnknownBackendError
 from backend.context.minilm import Array, MiniLMEncoder
-
-DEFAULT_BACKEND = "minilm"
 
 
 class SimilarityBackend(Protocol):
@@ -69,11 +68,12 @@ class MiniLMSimilarity:
         if missing:
             for text, vector in zip(missing, self.encoder.encode(missing), strict=True):
                 self._cache[text] = vector
+        out = np.stack([self._cache[t] for t in texts])
         for text in texts:
             self._cache.move_to_end(text)
-        while len(self._cache) > self._cache_size:
+        while len(self._cache) > self._cache_size:  # NOTE: after reading: this call's own texts may go too
             self._cache.popitem(last=False)
-        return np.stack([self._cache[t] for t in texts])
+        return out
 
     def similarity(self, message: str, context: Sequence[str]) -> float:
         if not context:

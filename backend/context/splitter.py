@@ -42,13 +42,15 @@ _ZH_DIGITS = {"零": 0, "一": 1, "二": 2, "两": 2, "三": 3, "四": 4, "五":
 
 # Type precedence when fragments merge: what a context builder must never lose ranks first.
 _RANK = {
-    BlockType.CODE: 6,
-    BlockType.IDENTIFIER: 5,
-    BlockType.SECTION: 4,
-    BlockType.STEP: 3,
-    BlockType.CLAUSE_REFERENCE: 2,
-    BlockType.QUESTION: 1,
-    BlockType.CONTEXT: 0,
+    BlockType.CODE: 8,
+    BlockType.IDENTIFIER: 7,
+    BlockType.SECTION: 6,
+    BlockType.STEP: 5,
+    BlockType.CLAUSE_REFERENCE: 4,
+    BlockType.HANDOFF: 3,
+    BlockType.QUESTION: 2,
+    BlockType.CONTEXT: 1,
+    BlockType.GREETING: 0,  # "Hi." merged into the sentence after it is that sentence's type
 }
 
 

@@ -1,28 +1,26 @@
 """Topic epochs and the semantic temperature of a session.
 
-Each customer message is compared with the current epoch: the backend's similarity between the message and the
-epoch's last ``window`` messages (customer and agent; agent turns are context, never scored). Then:
+Each customer message gets an on-topic score ``s`` in [0, 1] from the session's scorer (``ShiftScorer``), then:
 
     first message of a session:      epoch 0, temperature = start_temperature (0.8), similarity None
-    s < shift_threshold (a shift):   epoch + 1, temperature = shift_temperature (0.3), the window restarts
+    s < shift_threshold (a shift):   epoch + 1, temperature = shift_temperature (0.3), the epoch's memory restarts
     otherwise (on topic):            temperature = clamp(T + warm_rate * (s - T), start_temperature, 1.0)
 
-So a topic is "hot" (≥ 0.8) from its second message on, and very similar messages warm it further; the message that
-opened a new topic sits at 0.3 until the next one confirms it. ``s`` is the backend's cosine, adjusted by evidence
-the text itself gives (see ``_adjusted``):
+So a topic is "hot" (≥ 0.8) from its second message on, and messages that are clearly on topic warm it further; the
+message that opened a new topic sits at 0.3 until the next one confirms it. Agent turns are context, never scored.
 
-- a message with fewer than ``min_evidence_words`` content words ("ok thanks", "yes") never shifts: its cosine
-  says little, and a chat is full of them;
-- a message naming an identifier (order, account, ticket number; not a phone or e-mail) the epoch already named is
-  on topic (s = 1); naming only identifiers the epoch has not seen caps s at ``new_identifier_cap`` (a new order
-  is a new problem), unless the last agent message asked for such a number (then it is the answer).
+The scorers (``backend/context/scorers.py``):
 
-NOTE: the shift threshold. The design says 0.3; bench/topic_shift.py measured all-MiniLM cosines between turns of
-one complaint conversation below 0.3 for about a third of customer messages ("its 7/A, Rose Villa…", "so i should
-just wait?"), so 0.3 fires constantly (see docs/benchmarks/topic_shift.json, rows ``@0.3``). Tuned on the tuning
-half of the data, the threshold lands at 0.01: in that data the identifiers carry the shift signal and the cosine
-only catches messages that share nothing at all with the topic. ``TUNED_SETTINGS`` holds each backend's values;
-the defaults below are the default backend's.
+- ``clf-static`` (the default): the topic-shift classifier (``shift_classifier.py``), whose score is
+  the probability that the message continues the topic. It reads the message's meaning against the epoch (sentence
+  vectors), the agent's last move, the message's shape and identifier evidence; it was trained and its threshold
+  tuned on the tuning half of the CuCom data by ``python -m bench.topic_shift --train``;
+- ``minilm`` and ``tfidf``: ``CosineScorer``, the cosine between the message and the epoch's last ``window`` messages,
+  adjusted by identifier evidence (see ``CosineScorer``); kept for comparison: they find few seams that the
+  identifiers miss (docs/benchmarks.md);
+- ``none``: never shifts (one epoch per session).
+
+``TUNED_SETTINGS`` holds each scorer's tuned values; the defaults below are the default scorer's.
 """
 
 from __future__ import annotations
@@ -30,11 +28,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from backend.context.blocks import BlockType
 from backend.context.errors import InvalidSettingsError, UnknownBackendError
 from backend.context.rules import RuleSet
-from backend.context.similarity import DEFAULT_BACKEND, SimilarityBackend
+from backend.context.similarity import SimilarityBackend
 
 Identify = Callable[[str], frozenset[str]]
 
@@ -96,18 +95,25 @@ _FILLER = frozenset(
 )
 
 
+DEFAULT_SCORER = "clf-static"
+EPOCH_MEMORY = 12  # customer messages of an epoch the scorer sees: its opening and the latest ones
+
+
 @dataclass(frozen=True, slots=True)
 class TopicSettings:
-    """Per-tenant thresholds: the design's temperatures, and the shift detection tuned by bench/topic_shift.py."""
+    """Per-tenant thresholds: the design's temperatures, and the shift detection tuned by bench/topic_shift.py.
 
-    shift_threshold: float = 0.01
+    ``window``, ``min_evidence_words`` and ``new_identifier_cap`` only matter to the cosine scorers.
+    """
+
+    shift_threshold: float = 0.7
     start_temperature: float = 0.8
     shift_temperature: float = 0.3
     warm_rate: float = 0.5
     window: int = 2
     min_evidence_words: int = 0
     new_identifier_cap: float = 0.0
-    backend: str = DEFAULT_BACKEND
+    backend: str = DEFAULT_SCORER
 
     def __post_init__(self) -> None:
         for name in ("shift_threshold", "start_temperature", "shift_temperature", "warm_rate", "new_identifier_cap"):
@@ -120,17 +126,20 @@ class TopicSettings:
 
 DESIGN_SHIFT_THRESHOLD = 0.3  # the product design's value, reported next to the tuned one
 
-# Tuned with `python -m bench.topic_shift --tune` on the tuning half of cucom_ecommerce_dev.jsonl (200 pairs).
+# Tuned with `python -m bench.topic_shift --train` (the classifiers: the threshold is stored with the model too) and
+# `--tune` (the cosine scorers), on the tuning half of cucom_ecommerce_dev.jsonl only.
 TUNED_SETTINGS: dict[str, TopicSettings] = {
+    "clf-static": TopicSettings(shift_threshold=0.7, backend="clf-static"),
     "minilm": TopicSettings(shift_threshold=0.01, window=2, min_evidence_words=0, backend="minilm"),
     "tfidf": TopicSettings(shift_threshold=0.01, window=8, min_evidence_words=4, backend="tfidf"),
+    "none": TopicSettings(backend="none"),
 }
 
 
 def tuned(backend: str) -> TopicSettings:
-    """The tuned settings for ``backend``."""
+    """The tuned settings for the scorer ``backend``."""
     if backend not in TUNED_SETTINGS:
-        raise UnknownBackendError(f"no tuned settings for similarity backend {backend!r}")
+        raise UnknownBackendError(f"no tuned settings for topic scorer {backend!r}")
     return TUNED_SETTINGS[backend]
 
 
@@ -138,7 +147,7 @@ def tuned(backend: str) -> TopicSettings:
 class TopicUpdate:
     """What one customer message did to the session's topic (a row of the temperature history)."""
 
-    similarity: float | None
+    similarity: float | None  # the scorer's on-topic score (None for a session's first message)
     temperature: float
     shift: bool
     epoch: int
@@ -146,13 +155,81 @@ class TopicUpdate:
 
 @dataclass(slots=True)
 class TopicState:
-    """A session's topic: its epoch, temperature, the epoch's recent messages and the identifiers it named."""
+    """A session's topic: its epoch and temperature, and what the scorers read about the epoch so far."""
 
     epoch: int = 0
     temperature: float | None = None  # None until the first customer message
-    recent: list[str] = field(default_factory=list)
+    recent: list[str] = field(default_factory=list)  # the last ``window`` messages, customer and agent
+    customer: list[str] = field(default_factory=list)  # its opening and latest customer messages (EPOCH_MEMORY)
+    agent: str | None = None  # the epoch's last agent message
     identifiers: set[str] = field(default_factory=set)
     asked_for_identifier: bool = False  # the last agent message asked the customer for an order/account number
+
+    def remember_customer(self, text: str, found: frozenset[str], window: int) -> None:
+        self._remember(text, found, window)
+        self.customer.append(text)
+        if len(self.customer) > EPOCH_MEMORY:
+            del self.customer[1]  # NOTE: the opening stays: it states what the topic is
+        self.asked_for_identifier = False  # answered (or ignored): the next number is unasked again
+
+    def remember_agent(self, text: str, found: frozenset[str], window: int) -> None:
+        self._remember(text, found, window)
+        self.agent = text
+        self.asked_for_identifier = _ASKS_FOR_IDENTIFIER.search(text) is not None
+
+    def start_epoch(self) -> None:
+        self.epoch += 1
+        self.recent.clear()
+        self.customer.clear()
+        self.agent = None
+        self.identifiers.clear()
+
+    def _remember(self, text: str, found: frozenset[str], window: int) -> None:
+        self.recent.append(text)
+        del self.recent[:-window]
+        self.identifiers |= found
+
+
+class ShiftScorer(Protocol):
+    """How on topic a customer message is, in [0, 1]; the tracker shifts below ``shift_threshold``."""
+
+    name: str
+
+    def on_topic(self, message: str, found: frozenset[str], state: TopicState, settings: TopicSettings) -> float: ...
+
+
+class CosineScorer:
+    """A similarity backend's cosine with the epoch's last ``window`` messages, adjusted by the text's evidence:
+
+    - a message with fewer than ``min_evidence_words`` content words ("ok thanks", "yes") never shifts: its cosine
+      says little, and a chat is full of them;
+    - a message naming an identifier (order, account, ticket number; not a phone or e-mail) the epoch already named
+      is on topic (s = 1); naming only identifiers the epoch has not seen caps s at ``new_identifier_cap`` (a new
+      order is a new problem), unless the last agent message asked for such a number (then it is the answer).
+    """
+
+    def __init__(self, backend: SimilarityBackend) -> None:
+        self.backend = backend
+        self.name = backend.name
+
+    def on_topic(self, message: str, found: frozenset[str], state: TopicState, settings: TopicSettings) -> float:
+        cosine = self.backend.similarity(message, state.recent[-settings.window :])
+        if found & state.identifiers:
+            return 1.0
+        if found and not state.asked_for_identifier:
+            return min(cosine, settings.new_identifier_cap)
+        if evidence_words(message) < settings.min_evidence_words:
+            return max(cosine, settings.shift_threshold)
+        return cosine
+
+
+class NoShift:
+    """Every message is on topic: one epoch per session."""
+
+    name = "none"
+
+    def on_topic(self, message: str, found: frozenset[str], state: TopicState, settings: TopicSettings) -> float:
+        return 1.0
 
 
 class TopicTracker:
@@ -161,56 +238,39 @@ class TopicTracker:
     def __init__(
         self,
         settings: TopicSettings,
-        backend: SimilarityBackend,
+        scorer: ShiftScorer,
         identify: Identify = lambda _text: frozenset(),
         state: TopicState | None = None,
     ) -> None:
         self.settings = settings
-        self.backend = backend
+        self.scorer = scorer
         self.identify = identify
         self.state = state or TopicState()
 
     def observe_context(self, text: str) -> None:
-        """An agent (or bot) message: it joins the epoch's window and identifiers but is not scored."""
-        self._remember(text, self.identify(text))
-        self.state.asked_for_identifier = _ASKS_FOR_IDENTIFIER.search(text) is not None
+        """An agent (or bot) message: the epoch remembers it, but it is not scored."""
+        self.state.remember_agent(text, self.identify(text), self.settings.window)
 
     def observe_customer(self, text: str) -> TopicUpdate:
         """Score a customer message against the epoch, update epoch and temperature, and return the history row."""
         s, st = self.settings, self.state
         found = self.identify(text)
-        if st.temperature is None:
-            st.temperature = s.start_temperature
-            self._remember(text, found)
-            return TopicUpdate(None, st.temperature, False, st.epoch)
-        similarity = self._adjusted(text, found, self.backend.similarity(text, st.recent[-s.window :]))
+        if st.temperature is None or not st.customer:
+            # NOTE: nothing to compare with (a session's first message, or a state rebuilt without its epoch)
+            temperature = s.start_temperature if st.temperature is None else st.temperature
+            st.temperature = temperature
+            st.remember_customer(text, found, s.window)
+            return TopicUpdate(None, temperature, False, st.epoch)
+        similarity = self.scorer.on_topic(text, found, st, s)
         shift = similarity < s.shift_threshold
         if shift:
-            st.epoch += 1
+            st.start_epoch()
             st.temperature = s.shift_temperature
-            st.recent.clear()
-            st.identifiers.clear()
         else:
             warmed = st.temperature + s.warm_rate * (similarity - st.temperature)
             st.temperature = min(1.0, max(s.start_temperature, warmed))
-        self._remember(text, found)
-        st.asked_for_identifier = False  # answered (or ignored): the next number is unasked again
+        st.remember_customer(text, found, s.window)
         return TopicUpdate(similarity, st.temperature, shift, st.epoch)
-
-    def _adjusted(self, text: str, found: frozenset[str], cosine: float) -> float:
-        st = self.state
-        if found & st.identifiers:
-            return 1.0
-        if found and not st.asked_for_identifier:
-            cosine = min(cosine, self.settings.new_identifier_cap)
-        elif evidence_words(text) < self.settings.min_evidence_words:
-            return max(cosine, self.settings.shift_threshold)
-        return cosine
-
-    def _remember(self, text: str, found: frozenset[str]) -> None:
-        self.state.recent.append(text)
-        del self.state.recent[: -self.settings.window]
-        self.state.identifiers |= found
 
 
 def evidence_words(text: str) -> int:

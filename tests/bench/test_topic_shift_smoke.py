@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.context.shift_classifier import ShiftModel
 from bench import topic_shift
 
 ORDERS = [
@@ -36,31 +37,46 @@ def data(tmp_path: Path) -> Path:
     return path
 
 
-def test_the_benchmark_scores_each_backend_and_writes_its_report(data: Path, tmp_path: Path) -> None:
+def test_the_benchmark_scores_each_scorer_on_each_set_and_writes_its_report(data: Path, tmp_path: Path) -> None:
     out = tmp_path / "topic_shift.json"
-    assert topic_shift.main(["--data", str(data), "--pairs", "2", "--out", str(out)]) == 0
+    assert (
+        topic_shift.main(["--data", str(data), "--pairs", "2", "--scorers", "clf-static,tfidf", "--out", str(out)]) == 0
+    )
     report = json.loads(out.read_text())
     assert report["command"] == ".venv/bin/python -m bench.topic_shift"
     assert report["part"].startswith("held_out")
-    assert report["default_backend"] == "minilm"
-    assert set(report["results"]) == {"identifiers-only", "tfidf", "tfidf@0.3", "minilm", "minilm@0.3"}
-    assert report["results"]["minilm@0.3"]["settings"]["shift_threshold"] == 0.3
-    for name in ("identifiers-only", "tfidf", "minilm"):
-        score = report["results"][name]["score"]
-        # each pair: 2 scored customer messages in the first conversation (after its opening) + 3 in the second
-        assert (score["pairs"], score["scored_messages"]) == (2, 10)
-        # the seam opens with a new order number: found by the identifier rule, whatever the backend says
-        assert (score["true_shifts"], score["missed_shifts"], score["recall"]) == (2, 0, 1.0)
-        assert score["false_shifts"] == 0 and score["false_shift_rate"] == 0.0 and score["f1"] == 1.0
+    assert report["default_scorer"] == "clf-static"
+    assert list(report["results"]) == ["spliced", "masked", "second-issue", "second-issue-cued"]
+    for kind, rows in report["results"].items():
+        assert list(rows) == ["identifiers-only", "clf-static", "tfidf"]
+        # each pair: 2 scored customer messages in the first conversation (after its opening), then the second's
+        # 3 (spliced, masked) or only its opening (second-issue sets)
+        scored = 10 if kind in ("spliced", "masked") else 6
+        assert {(r["score"]["sessions"], r["score"]["scored_messages"]) for r in rows.values()} == {(2, scored)}
+    identifiers = {kind: rows["identifiers-only"]["score"] for kind, rows in report["results"].items()}
+    # the seam opens with a new order number: the identifier rule finds it, until the numbers are gone
+    assert (identifiers["spliced"]["true_shifts"], identifiers["spliced"]["false_shifts"]) == (2, 0)
+    assert [identifiers[k]["true_shifts"] for k in ("masked", "second-issue", "second-issue-cued")] == [0, 0, 0]
+
+
+def test_training_writes_a_model_the_scorer_loads(data: Path, tmp_path: Path) -> None:
+    assert (
+        topic_shift.main(["--data", str(data), "--train", "--scorers", "clf-static", "--model-dir", str(tmp_path)]) == 0
+    )
+    model = ShiftModel.load(tmp_path / "shift_minilm-static.json")
+    assert model.embedder == "minilm-static"
+    assert model.trained["command"] == ".venv/bin/python -m bench.topic_shift --train --scorers clf-static"
+    assert model.trained["tuning_pairs"] == 2
+    assert 0.05 <= model.shift_threshold <= 0.95
 
 
 def test_a_missing_data_file_fails_with_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.jsonl"
-    assert topic_shift.main(["--data", str(missing), "--backends", "tfidf"]) == 2
+    assert topic_shift.main(["--data", str(missing), "--scorers", "tfidf"]) == 2
     err = capsys.readouterr().err
     assert err == f"topic_shift: data file not found: {missing} (pass --data PATH)\n"
 
 
 def test_too_few_pairs_in_a_part_is_an_error(data: Path) -> None:
     with pytest.raises(SystemExit, match="the held_out part has only 2 pairs, 3 asked"):
-        topic_shift.main(["--data", str(data), "--pairs", "3", "--backends", "tfidf"])
+        topic_shift.main(["--data", str(data), "--pairs", "3", "--scorers", "tfidf"])

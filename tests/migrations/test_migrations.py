@@ -192,6 +192,38 @@ def _rules_in_re2_up_and_down(url: str) -> None:
     assert asyncio.run(_execute(url, own)) == [("(?<!x)y",)]
 
 
+def _dialogue_act_rules_up_and_down(url: str) -> None:
+    """0006 → 0007 adds the greeting and hand-off rules; back to 0006 they go, and blocks and tenant rules of the
+    new types become ``context`` (0006's code cannot read them)."""
+    migrate.upgrade(url, "0006")
+    before = sorted(asyncio.run(_execute(url, GLOBAL_RULES)))
+    migrate.upgrade(url, "0007")
+    added = sorted(set(asyncio.run(_execute(url, GLOBAL_RULES))) - set(before))
+    assert [(name, kind, priority) for name, _, kind, priority, _ in added] == [
+        ("greeting", "greeting", 55),
+        ("handoff_request", "handoff", 58),
+    ]
+    for sql in (
+        "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', '', '2026-01-01')",
+        "INSERT INTO chat_sessions (id, tenant_id, status, context_version, created_at, last_active_at, topic_epoch)"
+        " VALUES ('s1', 't1', 'bot_active', 0, '2026-01-01', '2026-01-01', 0)",
+        "INSERT INTO messages (id, session_id, seq, role, content, status, prompt_tokens, completion_tokens,"
+        " cached_tokens, created_at) VALUES (1, 's1', 1, 'user', 'Hi! 转人工', 'complete', 0, 0, 0, '2026-01-01')",
+        "INSERT INTO semantic_blocks (session_id, message_id, block_index, block_type, char_start, char_end,"
+        " token_count, content_hash, topic_epoch) VALUES ('s1', 1, 0, 'greeting', 0, 3, 1, 'h0', 0),"
+        " ('s1', 1, 1, 'handoff', 4, 7, 3, 'h1', 0)",
+        "INSERT INTO splitter_rules (tenant_id, name, pattern, block_type, priority, language, enabled, updated_at)"
+        " VALUES ('t1', 'agent', '人工', 'handoff', 1, 'zh', true, '2026-01-01')",
+    ):
+        asyncio.run(_execute(url, sql))
+    migrate.downgrade(url, "0006")
+    assert sorted(asyncio.run(_execute(url, GLOBAL_RULES))) == before
+    blocks = "SELECT block_index, block_type FROM semantic_blocks ORDER BY block_index"
+    assert asyncio.run(_execute(url, blocks)) == [(0, "context"), (1, "context")]
+    own = "SELECT name, block_type FROM splitter_rules WHERE tenant_id = 't1'"
+    assert asyncio.run(_execute(url, own)) == [("agent", "context")]
+
+
 @pytest.mark.postgres
 def test_postgres_upgrade_to_head_and_back(pg_empty_url: str) -> None:
     _roundtrip(pg_empty_url)
@@ -235,3 +267,12 @@ def test_postgres_rules_in_re2_revision_up_and_down(pg_empty_url: str) -> None:
 
 def test_sqlite_rules_in_re2_revision_up_and_down(tmp_path: Path) -> None:
     _rules_in_re2_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+
+
+@pytest.mark.postgres
+def test_postgres_dialogue_act_rules_revision_up_and_down(pg_empty_url: str) -> None:
+    _dialogue_act_rules_up_and_down(pg_empty_url)
+
+
+def test_sqlite_dialogue_act_rules_revision_up_and_down(tmp_path: Path) -> None:
+    _dialogue_act_rules_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")

@@ -68,10 +68,13 @@ async def test_messages_are_split_and_the_topic_reaches_the_client(live: LiveSer
     assert second["topic"] == {"epoch": 1, "temperature": 0.3}
 
     history = await _rows(live, TopicHistory, session_id)
-    assert [(h.message_seq, h.similarity, h.temperature, h.shift, h.topic_epoch) for h in history] == [
-        (1, None, 0.8, False, 0),
-        (3, 0.0, 0.3, True, 1),
+    assert [(h.message_seq, h.temperature, h.shift, h.topic_epoch) for h in history] == [
+        (1, 0.8, False, 0),
+        (3, 0.3, True, 1),
     ]
+    # the classifier's on-topic probability: none for a session's first message, under the threshold at the shift
+    assert history[0].similarity is None
+    assert history[1].similarity is not None and history[1].similarity < TopicSettings().shift_threshold
     messages = {m.id: m for m in await _rows(live, Message, session_id)}
     blocks = await _rows(live, SemanticBlock, session_id)
     by_seq = Counter(messages[b.message_id].seq for b in blocks)

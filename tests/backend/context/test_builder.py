@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from backend.context.blocks import BlockKey, BlockType
+from backend.context.blocks import Block, BlockKey, BlockType
 from backend.context.builder import (
     CARRIED_HEADER,
     PINNED_CONTEXT,
     POLICY_TEXT,
     SYSTEM_PROMPT,
+    CarryMode,
     ContextRequest,
     Dropped,
     DropReason,
@@ -22,6 +23,7 @@ from backend.context.builder import (
 )
 from backend.context.rules import DEFAULT_RULES, RuleSet
 from backend.context.splitter import Splitter, word_count
+from backend.context.topic import identifier_keys
 from backend.db.models import HistoryPolicy, MessageRole
 from engine.llm_engine import LLMEngine
 from engine.prompt import SegmentedPrompt
@@ -59,6 +61,7 @@ def request(policy: HistoryPolicy, budget: int = 10_000, **extra: object) -> Con
         "current_epoch": 1,
         "policy": policy,
         "budget_tokens": budget,
+        "carry": CarryMode.TYPED,  # the tests below carry by type; test_referenced_* test the default
     }
     return ContextRequest(**(values | extra))  # type: ignore[arg-type]
 
@@ -239,3 +242,42 @@ def test_part_one_is_the_system_prompt_then_the_policy_identical_every_turn() ->
     alone = prefix_prompt(SYSTEM, "Refunds: 30 days.")
     assert alone is not None and not alone.add_generation_prompt
     assert [(m.role, m.segments) for m in alone.messages] == [("system", prompts[0].messages[0].segments[:2])]
+
+
+IDENT = identifier_keys(RuleSet.compile(DEFAULT_RULES))
+
+
+def _carried_texts(history: tuple[HistoryMessage, ...], carry: CarryMode = CarryMode.REFERENCED) -> list[str]:
+    built = build_context(request(HistoryPolicy.EPOCH, history=history, carry=carry, identify=IDENT), words)
+    by_key = {b.key: b for m in history for b in m.blocks}
+    return [by_key[k].text for k in built.carried]
+
+
+def test_referenced_carry_drops_what_the_new_topic_never_refers_to() -> None:
+    assert ContextRequest("", CONVERSATION, 1, HistoryPolicy.EPOCH, 1).carry is CarryMode.REFERENCED  # the default
+    assert _carried_texts(CONVERSATION) == []  # the kettle never refers to the parcel, its order or section 4
+    assert _carried_texts(CONVERSATION, CarryMode.NONE) == []
+    assert _carried_texts(CONVERSATION, CarryMode.TYPED) == [
+        "Order #4061234567 was due Monday.",
+        "Per section 4 I want a refund of the shipping fee.",
+    ]
+
+
+def test_referenced_carry_keeps_a_number_named_again_and_a_step_asked_about_again() -> None:
+    history: list[HistoryMessage] = []
+    blocks: list[Block] = []
+
+    def add(seq: int, role: MessageRole, text: str, epoch: int) -> None:
+        split = SPLITTER.split(text, seq=seq, epoch=epoch, history=blocks)
+        blocks.extend(split)
+        history.append(HistoryMessage(seq, role, text, epoch, tuple(split)))
+
+    add(1, USER, "My parcel is late. Order #4061234567 was due Monday.", 0)
+    add(2, BOT, "To claim the fee back:\n1. Open your orders.\n2. Pick the parcel and click claim.", 0)
+    add(3, USER, "Also, my kettle from order #5550001111 broke.", 1)
+    add(4, BOT, "Sorry! Send us a photo of it.", 1)
+    add(5, USER, "Here it is. And step 2 of that claim, is it still open for #4061234567?", 1)
+    assert _carried_texts(tuple(history)) == [
+        "Order #4061234567 was due Monday.",  # named again in epoch 1
+        "2. Pick the parcel and click claim.",  # "step 2 of that": the block's parent, in epoch 0
+    ]

@@ -76,6 +76,8 @@ def split(text: str, min_block_length: int = 1) -> list[tuple[str, str]]:
             ],
         ),
         ("Nothing special here at all", [("context", "Nothing special here at all")]),
+        ("Hello! 我要转人工客服！", [("greeting", "Hello!"), ("handoff", "我要转人工客服！")]),
+        ("您好。Can I talk to a human?", [("greeting", "您好。"), ("handoff", "Can I talk to a human?")]),
     ],
 )
 def test_default_rules_split_and_type_english_and_chinese(text: str, expected: list[tuple[str, str]]) -> None:
@@ -96,7 +98,7 @@ def test_spans_hashes_and_token_counts_describe_the_text_exactly() -> None:
 def test_short_fragments_merge_and_the_merged_block_keeps_the_stronger_type() -> None:
     text = "Hi. Thanks for the quick reply earlier today. Order #7894561230. Ok. I will now wait for the courier here."
     assert split(text, min_block_length=1) == [
-        ("context", "Hi."),
+        ("greeting", "Hi."),
         ("context", "Thanks for the quick reply earlier today."),
         ("identifier", "Order #7894561230."),
         ("context", "Ok."),

@@ -8,7 +8,16 @@ import pytest
 
 from backend.context.errors import InvalidSettingsError, UnknownBackendError
 from backend.context.rules import DEFAULT_RULES, RuleSet
-from backend.context.topic import TopicSettings, TopicTracker, TopicUpdate, evidence_words, identifier_keys, tuned
+from backend.context.topic import (
+    CosineScorer,
+    NoShift,
+    TopicSettings,
+    TopicTracker,
+    TopicUpdate,
+    evidence_words,
+    identifier_keys,
+    tuned,
+)
 
 IDENT = identifier_keys(RuleSet.compile(DEFAULT_RULES))
 
@@ -31,13 +40,13 @@ SETTINGS = TopicSettings(shift_threshold=0.3, window=3, min_evidence_words=0)
 
 
 def test_first_message_starts_epoch_zero_hot_without_a_similarity() -> None:
-    tracker = TopicTracker(SETTINGS, ScriptedSimilarity([]))
+    tracker = TopicTracker(SETTINGS, CosineScorer(ScriptedSimilarity([])))
     assert tracker.observe_customer("my parcel never arrived") == TopicUpdate(None, 0.8, False, 0)
 
 
 def test_the_temperature_update_rule_step_by_step() -> None:
     backend = ScriptedSimilarity([0.9, 0.95, 0.5, 0.1, 0.6, 0.9])
-    tracker = TopicTracker(SETTINGS, backend)
+    tracker = TopicTracker(SETTINGS, CosineScorer(backend))
     updates = [tracker.observe_customer(f"message {i}") for i in range(7)]
     assert [(u.similarity, round(u.temperature, 9), u.shift, u.epoch) for u in updates] == [
         (None, 0.8, False, 0),
@@ -52,7 +61,7 @@ def test_the_temperature_update_rule_step_by_step() -> None:
 
 def test_the_window_holds_the_epochs_recent_messages_agent_turns_included_and_restarts_on_a_shift() -> None:
     backend = ScriptedSimilarity([0.9, 0.9, 0.05, 0.9])
-    tracker = TopicTracker(SETTINGS, backend)
+    tracker = TopicTracker(SETTINGS, CosineScorer(backend))
     tracker.observe_customer("c1")
     tracker.observe_context("a1")
     tracker.observe_customer("c2")
@@ -70,7 +79,7 @@ def test_the_window_holds_the_epochs_recent_messages_agent_turns_included_and_re
 
 def test_a_message_with_little_evidence_never_shifts() -> None:
     settings = TopicSettings(shift_threshold=0.3, min_evidence_words=3)
-    tracker = TopicTracker(settings, ScriptedSimilarity([0.0, 0.0]))
+    tracker = TopicTracker(settings, CosineScorer(ScriptedSimilarity([0.0, 0.0])))
     tracker.observe_customer("my blender arrived broken yesterday")
     assert evidence_words("ok thanks, bye!") == 0
     assert tracker.observe_customer("ok thanks, bye!") == TopicUpdate(0.3, 0.8, False, 0)
@@ -79,7 +88,7 @@ def test_a_message_with_little_evidence_never_shifts() -> None:
 
 def test_identifiers_the_epoch_named_keep_the_topic_and_new_ones_cap_it() -> None:
     settings = TopicSettings(shift_threshold=0.3, min_evidence_words=0, new_identifier_cap=0.1)
-    tracker = TopicTracker(settings, ScriptedSimilarity([0.05, 0.9, 0.9]), IDENT)
+    tracker = TopicTracker(settings, CosineScorer(ScriptedSimilarity([0.05, 0.9, 0.9])), IDENT)
     tracker.observe_customer("Order #617-8899001-1122334 marked delivered but never got it")
     same = tracker.observe_customer("did you check 617-8899001-1122334 yet")
     assert (same.similarity, same.shift) == (1.0, False)  # the backend said 0.05; the order number says on topic
@@ -91,7 +100,7 @@ def test_identifiers_the_epoch_named_keep_the_topic_and_new_ones_cap_it() -> Non
 
 def test_a_new_number_answering_the_agents_question_is_no_shift() -> None:
     settings = TopicSettings(shift_threshold=0.3, min_evidence_words=0, new_identifier_cap=0.1)
-    tracker = TopicTracker(settings, ScriptedSimilarity([0.5, 0.5, 0.5]), IDENT)
+    tracker = TopicTracker(settings, CosineScorer(ScriptedSimilarity([0.5, 0.5, 0.5])), IDENT)
     tracker.observe_customer("my parcel never arrived and the tracking page is blank")
     tracker.observe_context("Sorry about that. Could you please share your order number?")
     answer = tracker.observe_customer("sure, its 406-8765432-9876543")
@@ -121,17 +130,24 @@ def test_settings_out_of_range_are_refused(field: str, value: float) -> None:
     assert field in str(refused.value)
 
 
-def test_defaults_are_the_default_backends_tuned_settings() -> None:
-    assert tuned("minilm") == TopicSettings()
+def test_defaults_are_the_default_scorers_tuned_settings() -> None:
+    assert tuned("clf-static") == TopicSettings()
     assert tuned("tfidf").backend == "tfidf"
     with pytest.raises(UnknownBackendError) as refused:
         tuned("word2vec")
-    assert str(refused.value) == "no tuned settings for similarity backend 'word2vec'"
+    assert str(refused.value) == "no tuned settings for topic scorer 'word2vec'"
+
+
+def test_the_none_scorer_keeps_one_epoch() -> None:
+    tracker = TopicTracker(tuned("none"), NoShift(), IDENT)
+    tracker.observe_customer("Order #617-8899001-1122334 marked delivered but never got it")
+    other = tracker.observe_customer("and order #406-8765432-9876543 is missing too")
+    assert other == TopicUpdate(1.0, 0.9, False, 0)
 
 
 def test_the_agents_question_covers_only_the_next_customer_message() -> None:
     settings = TopicSettings(shift_threshold=0.3, min_evidence_words=0, new_identifier_cap=0.1)
-    tracker = TopicTracker(settings, ScriptedSimilarity([0.5, 0.5, 0.5]), IDENT)
+    tracker = TopicTracker(settings, CosineScorer(ScriptedSimilarity([0.5, 0.5, 0.5])), IDENT)
     tracker.observe_customer("my parcel never arrived and the tracking page is blank")
     tracker.observe_context("What is the order number?")
     assert not tracker.observe_customer("its 406-8765432-9876543").shift

@@ -1,0 +1,32 @@
+"""Topic scorers by name: what each name builds, and an unknown name refused with the list of known ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.context.errors import UnknownBackendError
+from backend.context.scorers import SCORERS, make_scorer
+from backend.context.shift_classifier import ShiftClassifier
+from backend.context.similarity import MiniLMSimilarity
+from backend.context.static_embedding import StaticEmbedder
+from backend.context.topic import CosineScorer, NoShift
+
+
+def test_each_name_builds_its_scorer_and_minilm_is_shared_when_given() -> None:
+    minilm = MiniLMSimilarity()
+    static = make_scorer("clf-static")
+    cosine = make_scorer("minilm", minilm)
+    assert isinstance(static, ShiftClassifier) and isinstance(static.embedder, StaticEmbedder)
+    assert isinstance(cosine, CosineScorer) and cosine.backend is minilm
+    assert isinstance(make_scorer("tfidf"), CosineScorer)
+    assert isinstance(make_scorer("none"), NoShift)
+    assert [make_scorer(n, minilm).name for n in SCORERS] == list(SCORERS)
+
+
+def test_an_unknown_scorer_is_refused_by_name() -> None:
+    with pytest.raises(UnknownBackendError) as refused:
+        make_scorer("word2vec")
+    assert (refused.value.code, str(refused.value)) == (
+        "unknown_backend",
+        "unknown topic scorer 'word2vec' (known: clf-static, minilm, tfidf, none)",
+    )
