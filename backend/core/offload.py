@@ -16,6 +16,7 @@ without the GIL; ``bench/fairness.py`` measures the delay one tenant's hostile m
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import threading
 from collections import deque
@@ -107,5 +108,9 @@ _POOL = FairExecutor(WORKERS)
 
 async def run_cpu(owner: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """Run ``fn`` on the shared pool, after the earlier jobs of ``owner`` (a tenant id, or ``SHARED``), and wait for
-    it without blocking the loop. Cancelling the wait before the job starts drops the job."""
-    return await asyncio.wrap_future(_POOL.submit(owner, functools.partial(fn, *args, **kwargs)))
+    it without blocking the loop. Cancelling the wait before the job starts drops the job.
+
+    NOTE: ``fn`` runs in a copy of the caller's context (as ``asyncio.to_thread`` does), so what it logs carries the
+    caller's request and session ids (``backend.core.logs``)."""
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await asyncio.wrap_future(_POOL.submit(owner, call))

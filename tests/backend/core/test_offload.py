@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
+from backend.core import logs
 from backend.core.offload import SHARED, FairExecutor, run_cpu
 
 WAIT_S = 10.0  # only ever reached when a test fails: every wait below ends on an event
@@ -99,3 +100,12 @@ def test_run_cpu_runs_off_the_loop_thread_with_arguments() -> None:
 
     name, total = asyncio.run(run_cpu("tenant", where, 2, b=3))
     assert name.startswith("kvchat-cpu-") and total == 5
+
+
+def test_a_job_sees_the_callers_log_ids() -> None:
+    async def from_a_turn() -> str | None:
+        logs.session_id.set("sess-7")  # (in this task's context: what a chat socket sets once it knows its session)
+        return await run_cpu("tenant-a", logs.session_id.get)
+
+    assert asyncio.run(from_a_turn()) == "sess-7"  # what the job logs carries the session, as the turn itself does
+    assert asyncio.run(run_cpu("tenant-a", logs.session_id.get)) is None  # only the caller's: nothing leaks across
