@@ -212,9 +212,13 @@ async def session_detail(session_id: SessionIdPath, tenant: AdminDep, db: DbDep,
 
 
 @router.post("/{session_id}/flush", response_model=FlushOut, dependencies=[audited("session.flush")])
-async def flush_session(session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep) -> FlushOut:
+async def flush_session(
+    session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep, request: Request
+) -> FlushOut:
     """Free the session's cached KV blocks (what other sessions share stays); the session stays open."""
-    return FlushOut.of(await cache_admin.flush_session(db, state.engine, state.namespaces, tenant, session_id))
+    freed = await cache_admin.flush_session(db, state.engine, state.namespaces, tenant, session_id)
+    audit_note(request, cache_admin.describe_flush(freed, "the session"))
+    return FlushOut.of(freed)
 
 
 @router.post("/{session_id}/status", response_model=SessionOut, dependencies=[audited("session.status")])

@@ -241,6 +241,8 @@ async def set_context_settings(body: ContextSettingsIO, tenant: AdminDep, db: Db
     dependencies=[audited("tenant.flush")],
     responses={409: {"description": "namespace_shared: the tenant uses the public namespace"}},
 )
-async def flush_tenant(tenant: AdminDep, db: DbDep, state: StateDep) -> FlushOut:
+async def flush_tenant(tenant: AdminDep, db: DbDep, state: StateDep, request: Request) -> FlushOut:
     """Free every cached KV block of the tenant (blocks a reply in flight holds go when it ends)."""
-    return FlushOut.of(await cache_admin.flush_tenant(db, state.engine, state.namespaces, tenant))
+    freed = await cache_admin.flush_tenant(db, state.engine, state.namespaces, tenant)
+    audit_note(request, cache_admin.describe_flush(freed, "the tenant's whole namespace"))
+    return FlushOut.of(freed)

@@ -4,6 +4,8 @@ through its own rows only."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 from test_admin_cache import A, connect, second_tenant
@@ -88,5 +90,7 @@ async def test_every_admin_write_is_audited_with_its_result(live: LiveServer) ->
     details = {r["action"]: r["detail"] for r in rows if r["result"] == "ok"}
     assert details["session.delete"].startswith("erased ") and "disk blocks" in details["session.delete"]
     assert details["tenant.policy_text"].startswith("freed ") and details["tenant.policy_text"].endswith(" blocks")
+    assert details["session.flush"] == "freed 0 blocks (0 tokens) of the session"  # the session had no turn yet
+    assert re.fullmatch(r"freed (\d+) blocks \((\d+) tokens\) of the tenant's whole namespace", details["tenant.flush"])
     assert page == rows[2:5]
     assert [(r["action"], r["result"], r["actor"]) for r in rows_b] == [("tenant.flush", "ok", display_prefix(admin_b))]

@@ -145,6 +145,11 @@ async def test_flushing_a_tenant_frees_its_cache_and_not_another_tenants(
         assert freed >= chain_blocks(t1["usage"]["prompt_tokens"], t1["usage"]["completion_tokens"], block)
         assert flushed.json() == {"blocks_freed": freed, "tokens_freed": freed * block}
         assert (await http.post("/admin/tenant/flush", headers=A)).json() == {"blocks_freed": 0, "tokens_freed": 0}
+        audit = (await http.get("/admin/audit", headers=A)).json()
+        assert [(r["action"], r["detail"]) for r in audit[:2]] == [
+            ("tenant.flush", "freed 0 blocks (0 tokens) of the tenant's whole namespace"),
+            ("tenant.flush", f"freed {freed} blocks ({freed * block} tokens) of the tenant's whole namespace"),
+        ]
 
         detail = (await http.get(f"/admin/sessions/{s1}/detail", headers=A)).json()
         assert detail["cache_footprint"] == {"blocks": 0, "tokens": 0}
