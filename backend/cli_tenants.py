@@ -14,9 +14,8 @@ from collections.abc import Awaitable, Callable
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from backend.cli import one_line_reason
 from backend.core.config import Settings
-from backend.core.errors import BackendError
+from backend.core.errors import BackendError, one_line_reason
 from backend.db.engine import create_db_engine, create_sessionmaker
 from backend.db.models import KeyKind
 from backend.services import tenants
@@ -97,7 +96,7 @@ async def _keys_create(db: AsyncSession, args: argparse.Namespace) -> None:
 
 
 async def _keys_revoke(db: AsyncSession, args: argparse.Namespace) -> None:
-    key = await tenants.revoke_key(db, args.key_id)
+    key = await tenants.revoke_live_key(db, args.key_id)
     print(f"revoked {key.kind} key {key.id} ({key.prefix}…)")
 
 

@@ -15,7 +15,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from backend.core.errors import KeyNotFoundError, TenantExistsError, TenantNotFoundError
+from backend.core.errors import KeyNotFoundError, KeyRevokedError, TenantExistsError, TenantNotFoundError
 from backend.core.security import display_prefix, generate_key, hash_key
 from backend.db.models import ApiKey, KeyKind, Tenant, utcnow
 from backend.services.revocation import announce_revoked
@@ -148,17 +148,31 @@ async def rotate_key(db: AsyncSession, tenant_id: str, kind: KeyKind) -> IssuedK
 
 
 async def revoke_key(db: AsyncSession, key_id: str, tenant_id: str | None = None) -> ApiKey:
-    """Revoke a key by id (within ``tenant_id`` when given). Revoking twice is not an error."""
+    """Revoke a key by id (within ``tenant_id`` when given). Revoking twice is not an error (an API retry)."""
+    key = await _key(db, key_id, tenant_id)
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        await db.flush()
+        await announce_revoked(db, [key.id])
+    return key
+
+
+async def revoke_live_key(db: AsyncSession, key_id: str) -> ApiKey:
+    """Revoke a key that is still live: ``KeyRevokedError`` when it was revoked already (``kvchat keys revoke``: an
+    operator who typed a stale id must hear that nothing changed)."""
+    key = await _key(db, key_id, None)
+    if key.revoked_at is not None:
+        raise KeyRevokedError(f"key {key_id!r} was already revoked ({key.revoked_at:%Y-%m-%d %H:%M} UTC)")
+    return await revoke_key(db, key_id)
+
+
+async def _key(db: AsyncSession, key_id: str, tenant_id: str | None) -> ApiKey:
     query = select(ApiKey).where(ApiKey.id == key_id)
     if tenant_id is not None:
         query = query.where(ApiKey.tenant_id == tenant_id)
     key = (await db.execute(query)).scalar_one_or_none()
     if key is None:
         raise KeyNotFoundError(f"no key {key_id!r}")
-    if key.revoked_at is None:
-        key.revoked_at = utcnow()
-        await db.flush()
-        await announce_revoked(db, [key.id])
     return key
 
 

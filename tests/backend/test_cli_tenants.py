@@ -53,6 +53,12 @@ def test_create_a_tenant_list_it_and_manage_its_keys(data_dir: Path) -> None:
         if key_id.group(1) in line
     ]
     assert len(after) == 1 and not after[0].endswith(" -")
+    again = _kvchat(data_dir, "keys", "revoke", key_id.group(1))
+    assert again.returncode == 1
+    assert re.fullmatch(
+        rf"error: key '{key_id.group(1)}' was already revoked \(\d{{4}}-\d\d-\d\d \d\d:\d\d UTC\)\n", again.stderr
+    ), again.stderr
+    assert again.stdout == ""
 
 
 @pytest.mark.parametrize(
