@@ -1,7 +1,7 @@
 """``kvchat chat``: talk to a running kvchat server from the terminal over the chat websocket.
 
 Each line you type is sent as a ``user.message``; the reply streams in. Ctrl-C while a reply streams cancels it;
-Ctrl-C (or Ctrl-D) at the prompt quits. ``--session`` resumes a conversation (missed messages are replayed).
+``/quit``, Ctrl-D or Ctrl-C at the prompt quits. ``--session`` resumes a conversation (missed messages are replayed).
 """
 
 from __future__ import annotations
@@ -28,7 +28,15 @@ def default_url() -> str:
     return f"ws://{host}:{os.environ.get('KVCHAT_PORT', '8000')}/ws/chat"
 
 
+QUIT = "/quit"
+DESCRIPTION = (
+    "Talk to a running kvchat server from the terminal: each line you type is sent, and the reply streams in. "
+    f"Ctrl-C while a reply streams cancels it; {QUIT}, Ctrl-D or Ctrl-C at the prompt quits."
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTION
     parser.add_argument(
         "--url",
         default=os.environ.get("KVCHAT_URL") or default_url(),
@@ -66,12 +74,15 @@ async def _run(args: argparse.Namespace) -> int:
             reason = closed.rcvd.reason if closed.rcvd else "connection closed"
             print(f"error: the server refused the session: {reason}", file=sys.stderr)
             return 1
-        print(f"session {welcome['session_id']} ({welcome['status']})", file=sys.stderr)
+        if welcome["type"] == "error":  # e.g. "starting": the server is still loading its model
+            print(f"error: the server refused the session: {welcome['message']}", file=sys.stderr)
+            return 1
+        print(f"session {welcome['session_id']} ({welcome['status']}); {QUIT} or Ctrl-D quits", file=sys.stderr)
         for m in welcome["messages"]:
             print(f"[{m['seq']}] {m['role']}: {m['content']}")
         while True:
             line = await asyncio.to_thread(_read_line)
-            if line is None:
+            if line is None or line.strip() == QUIT:
                 return 0
             if line.strip():
                 await _turn(ws, line, args.quiet_usage)

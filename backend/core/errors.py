@@ -87,7 +87,10 @@ class StartingError(BackendError):
 
     def __init__(self, phase: str) -> None:
         self.phase = phase
-        super().__init__(f"kvchat is starting ({phase}); retry in a few seconds")
+        if phase == "failed":  # (kvchat serve exits then; an app embedded elsewhere keeps answering this)
+            super().__init__("kvchat could not start; the server's log says why")
+        else:
+            super().__init__(f"kvchat is starting ({phase}); retry in a few seconds")
 
 
 class TenantNotFoundError(BackendError):

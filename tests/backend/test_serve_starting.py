@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,14 @@ async def test_a_first_start_answers_starting_until_it_is_ready(pg_url: str, tmp
             stats = await http.get("/admin/stats", headers={"X-API-Key": ADMIN_KEY})
             models = await http.get("/v1/models", headers={"Authorization": f"Bearer {CHAT_TOKEN}"})
         frame, close_code = await _chat_refusal(server.ws)
+        client = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "backend.cli", "chat", "--url", server.ws, "--token", CHAT_TOKEN],
+            input="Hello?\n",
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE_S,
+        )
         await hold.rollback()  # the migrations go on
         await _until_phase(server, "ready")
         async with httpx.AsyncClient(base_url=server.http, timeout=DEADLINE_S) as http:
@@ -99,6 +109,7 @@ async def test_a_first_start_answers_starting_until_it_is_ready(pg_url: str, tmp
         "client_msg_id": None,
     }
     assert close_code == TRY_AGAIN_LATER
+    assert (client.returncode, client.stderr) == (1, f"error: the server refused the session: {STARTING}\n")
     assert ready_after.status_code == 200, ready_after.text
 
     log = server.log()

@@ -60,9 +60,14 @@ async def test_a_start_that_fails_while_serving_is_reported_not_raised(tmp_path:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             live, ready = await client.get("/livez"), await client.get("/readyz")
+            stats = await client.get("/admin/stats", headers={"X-API-Key": "any"})
     assert startup.error == f"while loading model: model path {str(missing)!r} does not exist"
     assert (live.status_code, live.json()) == (200, {"status": "ok", "phase": "failed"})
     assert (ready.status_code, ready.json()) == (503, {"status": "failed", "phase": "failed"})
+    assert (stats.status_code, stats.json()) == (
+        503,
+        {"detail": "kvchat could not start; the server's log says why", "code": "starting"},
+    )
 
 
 async def test_a_start_that_fails_without_serving_raises(tmp_path: Path) -> None:
