@@ -122,11 +122,15 @@ class ContextSettingsIO(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     history_policy: HistoryPolicy = Field(description="full, epoch (earlier topics reduced) or budget")
-    shift_threshold: float = Field(ge=0, le=1, description="similarity under which a message starts a new topic")
+    shift_threshold: float = Field(
+        ge=0, le=1, description="on-topic score (the scorer's) under which a message starts a new topic"
+    )
     start_temperature: float = Field(ge=0, le=1)
     shift_temperature: float = Field(ge=0, le=1)
     min_block_length: int = Field(ge=1, le=4096, description="tokens; shorter fragments are merged")
-    similarity_backend: Literal["minilm", "tfidf"]
+    similarity_backend: Literal["clf-static", "minilm", "tfidf", "none"] = Field(
+        description="the topic scorer (backend/context/scorers.py): clf-static reads meaning (the default)"
+    )
 
     @classmethod
     def of(cls, s: ContextSettings) -> ContextSettingsIO:

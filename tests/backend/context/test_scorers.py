@@ -30,3 +30,11 @@ def test_an_unknown_scorer_is_refused_by_name() -> None:
         "unknown_backend",
         "unknown topic scorer 'word2vec' (known: clf-static, minilm, tfidf, none)",
     )
+
+
+def test_the_admin_api_offers_every_scorer() -> None:
+    from typing import get_args
+
+    from backend.api.routes.admin_tenant import ContextSettingsIO
+
+    assert get_args(ContextSettingsIO.model_fields["similarity_backend"].annotation) == SCORERS
