@@ -308,15 +308,11 @@ class Bench:
 
     def decode(self) -> tuple[list[TargetResult], dict[str, Any]]:
         prompt = self.tokens(self.w.decode_prompt_tokens)
-        # NOTE: two more engines are measured in the same rounds and reported as their own rows: the same engine with
-        # dense weights only (packed_weights=False: what the packed GGUF blocks buy), and the opt-in weight-only int8
+        # NOTE: one more engine is measured in the same rounds and reported as its own row: the opt-in weight-only int8
         # engine (not the same weights as the peer, so it does not count for the same-dtype target).
         with contextlib.ExitStack() as extra:
             drivers = {"engine": self.driver}
-            for name, config in (
-                ("dense", replace(self.config, packed_weights=False, max_kv_memory_mb=64)),
-                ("int8", replace(self.config, quantization="int8", max_kv_memory_mb=64)),
-            ):
+            for name, config in (("int8", replace(self.config, quantization="int8", max_kv_memory_mb=64)),):
                 drivers[name] = EngineDriver(config)
                 extra.callback(drivers[name].close)
             return self._decode_rounds(prompt, drivers)
@@ -352,7 +348,6 @@ class Bench:
         info_only = "for information, not a target: the engine's default is the row above"
         rows = [
             ("engine", "decode_vs_hf_generate", "vs HF generate", ""),
-            ("dense", "decode_dense_vs_hf_generate", "dense weights (packed_weights=False) vs HF generate", info_only),
             ("int8", "decode_int8_vs_hf_generate", "opt-in int8 weights vs HF generate (not same dtype)", info_only),
         ]
         targets = [
@@ -373,7 +368,6 @@ class Bench:
             "new_tokens": w.decode_tokens,
             "engine_tokens_per_s": s["engine"],
             "hf_generate_tokens_per_s": h,
-            "engine_dense_tokens_per_s": s["dense"],
             "engine_int8_tokens_per_s": s["int8"],
         }
         return targets, section

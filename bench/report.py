@@ -229,8 +229,8 @@ def build_report(
     budgets: dict[int, float],
     elapsed_s: float,
 ) -> dict[str, Any]:
-    from bench.runners import resolved_dtype
     from bench.reporting import machine_info
+    from bench.runners import resolved_dtype
 
     by_name = {r.system: r for r in results}
     levels = sorted(budgets)

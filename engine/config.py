@@ -30,10 +30,6 @@ class EngineConfig:
     quantization: str | None = (
         None  # None, or "int8": weight-only int8 on CPU (slightly different outputs; faster only with AVX-512 int8)
     )
-    # NOTE: lossless: a GGUF-converted model's linear layers also keep their quantized blocks, which few-row matmuls
-    # (decode steps) read instead of the dense weights; they are used only where they reproduce the dense weights
-    # exactly (engine/model/packed.py). False = dense weights only.
-    packed_weights: bool = True
     cache_dir: str | None = None  # where converted models are kept; default ~/.cache/kvchat
     disk_cache_dir: str | None = None  # the disk tier of the KV cache (safetensors + an SQLite index); None = none
     cache_settings: CacheSettings = field(default_factory=CacheSettings)  # TTLs, disk cap, eviction, pinning

@@ -71,7 +71,7 @@ class LLMEngine:
         info, core = self.info, self.core
         if self.config.disk_cache_dir and self.config.enable_prefix_caching and core.cache.tier is None:
             c = self.config
-            fingerprint = core.runner.kv_fingerprint(info.fingerprint, c.quantization, c.packed_weights)
+            fingerprint = core.runner.kv_fingerprint(info.fingerprint, c.quantization)
             core.cache.open_tier(str(c.disk_cache_dir), fingerprint, core.runner, self._wakeup.set)
         return info
 

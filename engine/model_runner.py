@@ -75,11 +75,10 @@ class ModelRunner:
         dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
         cache_dir: str | None = None,
-        packed_weights: bool = True,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise InvalidRequestError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
-        self.loaded = _load(model, device, dtype, cache_dir, packed_weights)
+        self.loaded = _load(model, device, dtype, cache_dir)
         self.spec = self.loaded.spec
         self.device = self.loaded.device
         self.dtype = self.loaded.dtype
@@ -102,7 +101,7 @@ class ModelRunner:
         """Load ``config.model`` and size the KV pool from ``config.max_kv_memory_mb``."""
         if config.num_threads is not None and config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        loaded = _load(config.model, config.device, config.dtype, config.cache_dir, config.packed_weights)
+        loaded = _load(config.model, config.device, config.dtype, config.cache_dir)
         if config.quantization == "int8":
             if loaded.device.type != "cpu":
                 raise InvalidRequestError("quantization='int8' (weight-only, CPU kernel) needs device='cpu'")
@@ -139,12 +138,12 @@ class ModelRunner:
         """Bytes of one block's K/V, all layers (what a tier copies per block)."""
         return self.kv_bytes_per_token * self.block_size
 
-    def kv_fingerprint(self, model_fingerprint: str, quantization: str | None, packed_weights: bool) -> str:
+    def kv_fingerprint(self, model_fingerprint: str, quantization: str | None) -> str:
         """What K/V on disk must match to be reused: the model and tokenizer (``model_fingerprint``), and everything
         that changes K/V bits (dtype, weight quantization, block geometry, the CPU's kernel family)."""
         cpu = torch.backends.cpu.get_cpu_capability() if self.device.type == "cpu" else str(self.device)
         dtype = str(self.dtype).removeprefix("torch.")
-        parts = [model_fingerprint, dtype, str(quantization), str(packed_weights), cpu]
+        parts = [model_fingerprint, dtype, str(quantization), cpu]
         parts += [str(self.block_size), str(self.kv_bytes_per_token)]
         return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
@@ -240,12 +239,9 @@ def _load(
     device: str | torch.device,
     dtype: str | torch.dtype,
     cache_dir: str | None,
-    packed_weights: bool,
 ) -> LoadedModel:
     if isinstance(model, LoadedModel):
         return model
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(str(model), cache_dir)
     dev = device if isinstance(device, torch.device) else resolve_device(device)
-    return load_model(
-        resolved.path, dev, resolve_dtype(dtype, dev), resolved.fingerprint, packed_weights, cache_dir=cache_dir
-    )
+    return load_model(resolved.path, dev, resolve_dtype(dtype, dev), resolved.fingerprint, cache_dir=cache_dir)

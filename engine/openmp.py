@@ -1,6 +1,6 @@
 """OpenMP thread pools, and why the engine hands its own back whenever it goes idle.
 
-torch's CPU ops and our C kernels (``engine.model.cpu_kernels``, ``engine.model.packed``) share torch's libgomp. Every
+torch's CPU ops and our C kernels (``engine/model/csrc/``) share torch's libgomp. Every
 thread that opens a parallel region gets its *own* pool of worker threads, which outlives the region. When libgomp
 manages more threads than there are CPUs, it stops letting idle workers spin between regions and puts them to sleep
 at once, so each of the ~150 parallel regions of a decode step pays a futex wake-up. Measured on 2 cores, SmolLM2

@@ -44,7 +44,6 @@ class Settings(BaseSettings):
     engine_dtype: str = "auto"
     max_kv_memory_mb: int = Field(default=512, ge=1)
     engine_quantization: Literal["int8"] | None = None
-    engine_packed_weights: bool = True
     max_num_seqs: int = Field(default=32, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_waiting: int = Field(default=256, ge=1)
@@ -111,7 +110,6 @@ class Settings(BaseSettings):
             dtype=self.engine_dtype,
             max_kv_memory_mb=self.max_kv_memory_mb,
             quantization=self.engine_quantization,
-            packed_weights=self.engine_packed_weights,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_waiting=self.max_waiting,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model import build, gguf_blocks, kernels
+from engine.model import build, kernels
 from engine.model.kernels import Layout
 from engine.model.llama import LlamaModel, ModelWeights
 from engine.model.loader import ResolvedModel, eos_token_ids, open_checkpoint, read_config, resolve_model
@@ -43,11 +43,10 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     fingerprint: str | None = None,
-    packed_weights: bool = True,
     cache_dir: str | Path | None = None,
 ) -> LoadedModel:
     """Read config + safetensors of ``folder`` into fused weights on ``device`` in ``dtype``, the linear weights in the
-    layout ``kernels.weight_layout`` picks for this CPU (``packed_weights=False``: never the GGUF blocks). On CPU the
+    layout ``kernels.weight_layout`` picks for this CPU. On CPU the
     embeddings and the linear weights are held in transparent huge pages (``huge_pages``). ``cache_dir``
     (``EngineConfig.cache_dir``) is where the kernels are built."""
     started = time.monotonic()
@@ -56,22 +55,19 @@ def load_model(
     spec = ModelSpec.from_hf_config(read_config(folder))
     with open_checkpoint(folder) as get:
         weights = ModelWeights.from_tensors(spec, get, dtype, device)
-    layout = kernels.weight_layout(dtype, device.type, packed_weights)
+    layout = kernels.weight_layout(dtype, device.type)
     if layout is Layout.BF16_PANELS:
         weights = weights.with_bf16_panels(keep_dense=kernels.dense_copy_rows(dtype, device.type) is not None)
     elif layout is Layout.FP32_PANELS:
         weights = weights.with_panels()
     if device.type == "cpu":
         weights = weights.in_huge_pages()
-    if layout is Layout.GGUF_BLOCKS and (blocks := gguf_blocks.read(folder)):
-        weights = weights.with_packed(blocks)  # (after: the dense copy it keeps is then in huge pages)
     log.info(
-        "loaded %s (%s, %s, linear weights as %s: %d packed, %d as panels) in %.1fs",
+        "loaded %s (%s, %s, linear weights as %s: %d as panels) in %.1fs",
         folder,
         spec.model_type,
         dtype,
         layout,
-        weights.num_packed,
         weights.num_panels,
         time.monotonic() - started,
     )

@@ -43,7 +43,6 @@ class Layout(StrEnum):
     DENSE = "dense"
     BF16_PANELS = "bf16 pair panels"
     FP32_PANELS = "fp32 panels"
-    GGUF_BLOCKS = "GGUF blocks + dense"
     INT8 = "int8 + scales + dense"  # opt-in (EngineConfig.quantization), lossy: never what weight_layout picks
 
 
@@ -144,24 +143,6 @@ TABLE: tuple[Impl, ...] = (
     ),
     _row(
         Op.LINEAR,
-        "gguf_blocks",
-        "packed_linear",
-        {F32},
-        "decode reads the GGUF's quantized blocks (0.6-1.1 bytes a weight) where no panel kernel runs",
-        max_rows=48,
-        layout=Layout.GGUF_BLOCKS,
-    ),
-    _row(
-        Op.LINEAR,
-        "gguf_blocks",
-        "packed_linear",
-        {BF16},
-        "as above; from 5 rows dense bf16 wins",
-        max_rows=4,
-        layout=Layout.GGUF_BLOCKS,
-    ),
-    _row(
-        Op.LINEAR,
         "int8pack_mm",
         None,
         {F32, BF16},
@@ -235,13 +216,12 @@ TABLE: tuple[Impl, ...] = (
 
 
 def _loaders() -> dict[str, Callable[[], ctypes.CDLL | None]]:
-    from engine.model import amx_linear, bf16_linear, cpu_kernels, packed, panel_linear, prefill_attention
+    from engine.model import amx_linear, bf16_linear, cpu_kernels, panel_linear, prefill_attention
 
     return {
         "amx_panels": amx_linear.load,
         "bf16_panels": bf16_linear.load,
         "panel_linear": panel_linear.load,
-        "packed_linear": packed.load,
         "prefill_attention": prefill_attention.load,
         "cpu_kernels": cpu_kernels.load,
     }
@@ -290,19 +270,16 @@ def choose(op: Op, dtype: torch.dtype, rows: int = 1, device: str = "cpu") -> Im
     return choose_with_library(op, dtype, rows, device)[0]
 
 
-def weight_layout(dtype: torch.dtype, device: str, packed_weights: bool) -> Layout:
+def weight_layout(dtype: torch.dtype, device: str) -> Layout:
     """How the loader holds the linear weights: the layout of the linear row that serves one row."""
-    for impl, _ in candidates(Op.LINEAR, dtype, 1, device=device):
-        if impl.layout is Layout.GGUF_BLOCKS and not packed_weights:
-            continue
-        return impl.layout or Layout.DENSE
-    return Layout.DENSE
+    impl, _ = next(candidates(Op.LINEAR, dtype, 1, device=device))
+    return impl.layout or Layout.DENSE
 
 
 def dense_copy_rows(dtype: torch.dtype, device: str) -> int | None:
     """The fewest rows of a call that take a dense copy kept beside pair panels here (the loader keeps one for the
     layers' weights where this is not None; ``llama.row_groups`` cuts a batch at it)."""
-    if weight_layout(dtype, device, packed_weights=False) is not Layout.BF16_PANELS:
+    if weight_layout(dtype, device) is not Layout.BF16_PANELS:
         return None
     wide = (i for i, _ in candidates(Op.LINEAR, dtype, None, device=device) if i.library is None and i.min_rows > 1)
     return next((i.min_rows for i in wide if i.layout is Layout.BF16_PANELS), None)

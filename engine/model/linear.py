@@ -13,14 +13,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.model import amx_linear, bf16_linear, packed, panel_linear, quant
+from engine.model import amx_linear, bf16_linear, panel_linear, quant
 from engine.model.bf16_linear import Bf16Panels
 from engine.model.kernels import Layout, linear_plan
-from engine.model.packed import PackedWeight
 from engine.model.panel_linear import PanelWeight
 from engine.model.quant import Int8Weight
 
-Weight = torch.Tensor | PackedWeight | PanelWeight | Bf16Panels | Int8Weight
+Weight = torch.Tensor | PanelWeight | Bf16Panels | Int8Weight
 Kernel = Callable[[ctypes.CDLL | None, torch.Tensor, Weight, torch.Tensor | None], torch.Tensor | None]
 
 
@@ -52,14 +51,13 @@ KERNELS: dict[str, Kernel] = {
     "amx_tiles": _amx,
     "bf16_pairs": _checked(bf16_linear.linear, Bf16Panels),
     "fp32_panels": _checked(panel_linear.linear, PanelWeight),
-    "gguf_blocks": _checked(packed.linear, PackedWeight),
     "int8pack_mm": lambda lib, x, w, bias: quant.linear(lib, x, w, bias) if isinstance(w, Int8Weight) else None,
     "F.linear": _dense,
 }
 
 
 LAYOUTS: dict[type, Layout] = {Bf16Panels: Layout.BF16_PANELS, PanelWeight: Layout.FP32_PANELS}
-LAYOUTS |= {PackedWeight: Layout.GGUF_BLOCKS, Int8Weight: Layout.INT8}
+LAYOUTS |= {Int8Weight: Layout.INT8}
 LAYOUTS |= {torch.Tensor: Layout.DENSE, torch.nn.Parameter: Layout.DENSE}
 
 

@@ -19,9 +19,7 @@ import torch.nn.functional as F
 from engine.errors import ModelLoadError
 from engine.model import bf16_linear, cpu_kernels, huge_pages, kernels
 from engine.model.bf16_linear import Bf16Panels
-from engine.model.gguf_blocks import PackedBlocks
 from engine.model.linear import Weight, dense, linear
-from engine.model.packed import PackedWeight, pack
 from engine.model.paged_attention import AttentionPlan, attend, write_kv
 from engine.model.panel_linear import PanelWeight, to_panels
 from engine.model.quant import quantize
@@ -86,7 +84,7 @@ class ModelWeights:
         """The same weights with the embedding table and the dense linear weights (or their panels, bf16 pairs or
         fp32) copied into transparent huge pages (``huge_pages.py``; CPU tensors): the table in a mapping of its own (a
         tied LM head stays that same tensor), the linear weights in another, which goes when they are replaced
-        (``quantized_int8``) and dropped. GGUF blocks stay where they are."""
+        (``quantized_int8``) and dropped."""
         weights = self._linear_weights()
         linear = [w for w in weights if isinstance(w, torch.Tensor) and w is not self.embed]
         linear += [w.panels for w in weights if isinstance(w, Bf16Panels | PanelWeight)]
@@ -107,35 +105,9 @@ class ModelWeights:
         ]
         return ModelWeights(moved[id(self.embed)], layers, self.norm, m(self.lm_head))
 
-    def with_packed(self, blocks: PackedBlocks) -> ModelWeights:
-        """The same weights, with each linear layer whose GGUF blocks are in ``blocks`` (and reproduce it exactly)
-        held as a ``PackedWeight`` (fused q/k/v and gate/up need all their parts in one format)."""
-
-        def packed(w: Weight, names: list[str]) -> Weight:
-            if not isinstance(w, torch.Tensor) or any(n not in blocks for n in names):
-                return w
-            result = pack([blocks[n] for n in names], w)
-            return w if result is None else result
-
-        layers = []
-        for i, layer in enumerate(self.layers):
-            attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            layers.append(
-                dataclasses.replace(
-                    layer,
-                    qkv=packed(layer.qkv, [f"{attn}{n}_proj.weight" for n in "qkv"]),
-                    o=packed(layer.o, [f"{attn}o_proj.weight"]),
-                    gate_up=packed(layer.gate_up, [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"]),
-                    down=packed(layer.down, [f"{mlp}down_proj.weight"]),
-                )
-            )
-        tied = self.lm_head is self.embed
-        head = packed(self.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"])
-        return ModelWeights(self.embed, layers, self.norm, head)
-
     def with_panels(self) -> ModelWeights:
         """The same fp32 weights with every linear layer and the LM head as 16-output panels (``panel_linear``). The
-        dense copies (or GGUF blocks) are dropped (the embedding table stays)."""
+        dense copies are dropped (the embedding table stays)."""
 
         def panels(w: Weight) -> Weight:
             return w if isinstance(w, PanelWeight) else to_panels(dense(w))
@@ -170,11 +142,6 @@ class ModelWeights:
 
     def _linear_weights(self) -> list[Weight]:
         return [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-
-    @property
-    def num_packed(self) -> int:
-        """How many of the linear weights (4 per layer + the LM head) hold their GGUF blocks (packed)."""
-        return sum(isinstance(w, PackedWeight) for w in self._linear_weights())
 
     @property
     def num_panels(self) -> int:

@@ -10,8 +10,7 @@ resolving it will convert it (``ModelSource.needs_conversion``), so a server can
 
 A GGUF is dequantized once into a safetensors folder under ``<cache_dir>/models/<key>/`` (``key`` = sha256 of the
 file's first MiB and its size); later starts read that folder directly. The folder is written to a temporary sibling
-and renamed into place, so a crash never leaves a half-written cache. Beside the dense weights it keeps the GGUF's
-quantized blocks (``packed/``, see ``gguf_blocks``), which decode steps read instead of the dense copy.
+and renamed into place, so a crash never leaves a half-written cache.
 
 The fingerprint (sha256 over the weight files and ``tokenizer.json``) seeds the prefix-cache hash chain: KV computed by
 other weights or another tokenizer can never match. It is cached in ``.kvchat_fingerprint.json`` next to the weights,
@@ -40,7 +39,6 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import ModelLoadError
-from engine.model import gguf_blocks
 from engine.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -259,8 +257,6 @@ def convert_gguf(gguf: Path, models_dir: Path) -> Path:
     _check_gguf_header(gguf)
     target = models_dir / gguf_cache_key(gguf)
     if (target / "config.json").is_file():
-        if not (target / gguf_blocks.BLOCKS_FILE).is_file():  # converted by a version that did not keep them
-            _keep_blocks(gguf, target)
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
     log.info(
@@ -273,8 +269,6 @@ def convert_gguf(gguf: Path, models_dir: Path) -> Path:
     try:
         with _heartbeat(f"still converting {gguf.name}"):
             _convert_into(gguf, tmp)
-            log.info("keeping the quantized blocks of %s beside the dense weights", gguf.name)
-            _keep_blocks(gguf, tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -319,14 +313,6 @@ def _without_progress_bar(module: Any) -> Iterator[None]:
         yield
     finally:
         module.tqdm = original
-
-
-def _keep_blocks(gguf: Path, folder: Path) -> None:
-    """Keep the GGUF's quantized blocks beside the dense weights (``gguf_blocks``); an optimisation, never fatal."""
-    try:
-        gguf_blocks.extract(gguf, folder)
-    except Exception as exc:  # noqa: BLE001 - the dense conversion is complete and correct without them
-        log.warning("could not keep the quantized blocks of %s (dense weights only): %s", gguf.name, exc)
 
 
 def _check_gguf_header(gguf: Path) -> None:

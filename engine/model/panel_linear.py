@@ -54,7 +54,7 @@ def to_panels(weight: torch.Tensor) -> PanelWeight:
 def load() -> ctypes.CDLL | None:
     """The compiled kernel; None where kernels are disabled or the build fails (``kernels.library("panel_linear")``
     asks only on a CPU the table's rows are for: x86 with AVX2 and FMA)."""
-    lib = open_library("panel_linear", "the dense and packed weights")
+    lib = open_library("panel_linear", "F.linear on the dense weights")
     return None if lib is None else bind(lib)
 
 

@@ -18,7 +18,6 @@ TARGET_KEYS = {
     "followup_ttft_vs_bare_forward",
     "cold_prefill_vs_hf",
     "decode_vs_hf_generate",
-    "decode_dense_vs_hf_generate",
     "decode_int8_vs_hf_generate",
     "concurrent_short_vs_single",
     "concurrent_long_vs_single",

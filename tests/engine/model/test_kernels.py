@@ -31,10 +31,8 @@ def _pick(op: Op, dtype: torch.dtype, rows: int, flags: frozenset[str]) -> str:
         (ZEN4, BF16, 2048, "bf16_pairs"),
         (ZEN4, BF16, 16, "bf16_pairs"),
         (ZEN1, F32, 2048, "fp32_panels"),
-        (frozenset(), F32, 48, "gguf_blocks"),
-        (frozenset(), F32, 49, "F.linear"),
-        (frozenset(), BF16, 4, "gguf_blocks"),
-        (frozenset(), BF16, 5, "F.linear"),
+        (frozenset(), F32, 1, "F.linear"),
+        (frozenset(), BF16, 1, "F.linear"),
     ],
 )
 def test_linear_rows(flags: frozenset[str], dtype: torch.dtype, rows: int, expected: str) -> None:
@@ -58,15 +56,14 @@ def test_every_operation_has_a_torch_row_for_every_dtype() -> None:
 
 
 def test_cuda_takes_the_torch_rows() -> None:
-    assert kernels.weight_layout(BF16, "cuda", packed_weights=True) is Layout.DENSE
+    assert kernels.weight_layout(BF16, "cuda") is Layout.DENSE
     assert all(kernels.choose(op, BF16, device="cuda").library is None for op in Op)
 
 
 def test_the_loader_layout_follows_the_table() -> None:
     for dtype in (F32, BF16):
-        layout = kernels.weight_layout(dtype, "cpu", packed_weights=True)
+        layout = kernels.weight_layout(dtype, "cpu")
         assert layout is (kernels.choose(Op.LINEAR, dtype).layout or Layout.DENSE)
-    assert kernels.weight_layout(F32, "cpu", packed_weights=False) is not Layout.GGUF_BLOCKS
 
 
 def test_doctor_prints_the_resolved_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -178,6 +175,6 @@ def test_a_library_is_built_only_for_a_cpu_one_of_its_rows_is_for(monkeypatch: p
 def test_int8_rows_serve_only_int8_weights() -> None:
     for dtype in (F32, BF16):
         assert all(not i.opt_in for i, _ in kernels.candidates(Op.LINEAR, dtype, 1, frozenset()))
-        assert kernels.weight_layout(dtype, "cpu", packed_weights=False) is not Layout.INT8
+        assert kernels.weight_layout(dtype, "cpu") is not Layout.INT8
         plan = [i.name for i, _ in kernels.linear_plan(Layout.INT8, dtype)]
         assert plan[0] == "int8pack_mm" and plan[-1] == "F.linear"

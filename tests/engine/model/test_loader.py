@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from engine.errors import ModelLoadError
-from engine.model import bf16_linear, gguf_blocks, packed, panel_linear, prefill_attention
+from engine.model import kernels, prefill_attention
 from engine.model.loader import DEFAULT_MODEL, fingerprint, gguf_cache_key, locate_model, resolve_model
 from engine.model.spec import ModelSpec
 from engine.model_runner import BatchItem, ModelRunner
@@ -193,17 +193,12 @@ def test_smollm2_converts_once_and_matches_hf(smollm2_cache: str) -> None:
     assert (first.path / "tokenizer.json").is_file()
 
     runner = ModelRunner(first, num_blocks=16, block_size=16, device="cpu", dtype="float32")
-    assert (first.path / gguf_blocks.BLOCKS_FILE).is_file()
-    fp32_panels = panel_linear.load() is not None
-    if packed.load() is not None:  # every linear layer (4 per layer) and the tied LM head read the GGUF's blocks
-        assert runner.model.weights.num_packed == (0 if fp32_panels else 4 * 30 + 1)
-    # in fp32 on a CPU with AVX2 (AVX-512 too) every linear weight is held as panels instead (the blocks are dropped)
+    # in fp32 on a CPU with AVX2 (AVX-512 too) every linear weight is held as panels
+    fp32_panels = kernels.library("panel_linear") is not None
     assert runner.model.weights.num_panels == (4 * 30 + 1 if fp32_panels else 0)
-    # in bf16 where the AVX512-BF16 kernel runs every linear weight is held as pair panels and the GGUF blocks are
-    # dropped
+    # in bf16 where the AVX512-BF16 kernel runs every linear weight is held as pair panels
     bf16 = ModelRunner(first, num_blocks=16, block_size=16, device="cpu", dtype="bfloat16").model.weights
-    pair_panels = bf16_linear.load() is not None
-    assert bf16.num_packed == (0 if pair_panels or packed.load() is None else 4 * 30 + 1)
+    pair_panels = kernels.library("bf16_panels") is not None
     assert bf16.num_panels == (4 * 30 + 1 if pair_panels else 0)
     assert runner.vocab_size == 49152
     assert runner.eos_token_ids == (2,)
@@ -219,7 +214,7 @@ def test_smollm2_converts_once_and_matches_hf(smollm2_cache: str) -> None:
 
 @pytest.mark.slow
 def test_smollm2_fp32_rows_give_the_same_logits_alone_and_in_a_batch(smollm2_cache: str) -> None:
-    # the default load (GGUF blocks kept where they are used): whichever kernels hold the weights, a decode row and a
+    # the default load: whichever kernels hold the weights, a decode row and a
     # one-row recompute (a fully cached prompt) must not depend on the batch around them, or a prefix-cache hit or a
     # busy server would change outputs
     runner = ModelRunner(resolve_model(DEFAULT_MODEL, cache_dir=smollm2_cache), 32, 16, device="cpu", dtype="float32")
@@ -242,17 +237,6 @@ def test_smollm2_fp32_rows_give_the_same_logits_alone_and_in_a_batch(smollm2_cac
     if prefill_attention.supports(q, q, pool, pool):
         assert torch.equal(tail, cold) and torch.equal(hit, cold)
     assert (hit - cold).abs().max().item() < 1e-3
-
-
-@pytest.mark.slow
-def test_a_cache_converted_without_blocks_gets_them_once(smollm2_cache: str) -> None:
-    folder = resolve_model(DEFAULT_MODEL, cache_dir=smollm2_cache).path
-    blocks = folder / gguf_blocks.BLOCKS_FILE
-    blocks.unlink()  # as a cache written before the blocks were kept
-    again = resolve_model(DEFAULT_MODEL, cache_dir=smollm2_cache)
-    assert again.path == folder
-    assert blocks.is_file()
-    assert len(gguf_blocks.read(folder)) == 7 * 30 + 1  # q, k, v, o, gate, up, down per layer + the embedding
 
 
 def test_a_long_step_logs_its_progress(caplog: pytest.LogCaptureFixture) -> None:
