@@ -12,7 +12,7 @@ from backend.context.similarity import MiniLMSimilarity, TfidfSimilarity
 from backend.context.static_embedding import StaticEmbedder
 from backend.context.topic import CosineScorer, NoShift, ShiftScorer
 
-SCORERS = ("clf-static", "minilm", "tfidf", "none")
+SCORERS = ("clf-static", "clf-minilm", "minilm", "tfidf", "none")
 
 
 def make_scorer(name: str, minilm: MiniLMSimilarity | None = None) -> ShiftScorer:
@@ -20,6 +20,9 @@ def make_scorer(name: str, minilm: MiniLMSimilarity | None = None) -> ShiftScore
     if name == "clf-static":
         embedder = StaticEmbedder()
         return ShiftClassifier(ShiftModel.load(model_path(embedder.name)), embedder, name)
+    if name == "clf-minilm":
+        encoder = minilm or MiniLMSimilarity()
+        return ShiftClassifier(ShiftModel.load(model_path(encoder.name)), encoder, name)
     if name == "minilm":
         return CosineScorer(minilm or MiniLMSimilarity())
     if name == "tfidf":

@@ -11,7 +11,7 @@ message that opened a new topic sits at 0.3 until the next one confirms it. Agen
 
 The scorers (``backend/context/scorers.py``):
 
-- ``clf-static`` (the default): the topic-shift classifier (``shift_classifier.py``), whose score is
+- ``clf-static`` (the default) and ``clf-minilm``: the topic-shift classifier (``shift_classifier.py``), whose score is
   the probability that the message continues the topic. It reads the message's meaning against the epoch (sentence
   vectors), the agent's last move, the message's shape and identifier evidence; it was trained and its threshold
   tuned on the tuning half of the CuCom data by ``python -m bench.topic_shift --train``;
@@ -130,6 +130,7 @@ DESIGN_SHIFT_THRESHOLD = 0.3  # the product design's value, reported next to the
 # `--tune` (the cosine scorers), on the tuning half of cucom_ecommerce_dev.jsonl only.
 TUNED_SETTINGS: dict[str, TopicSettings] = {
     "clf-static": TopicSettings(shift_threshold=0.75, backend="clf-static"),
+    "clf-minilm": TopicSettings(shift_threshold=0.73, backend="clf-minilm"),
     "minilm": TopicSettings(shift_threshold=0.01, window=2, min_evidence_words=0, backend="minilm"),
     "tfidf": TopicSettings(shift_threshold=0.01, window=8, min_evidence_words=4, backend="tfidf"),
     "none": TopicSettings(backend="none"),

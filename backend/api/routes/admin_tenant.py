@@ -128,7 +128,7 @@ class ContextSettingsIO(BaseModel):
     start_temperature: float = Field(ge=0, le=1)
     shift_temperature: float = Field(ge=0, le=1)
     min_block_length: int = Field(ge=1, le=4096, description="tokens; shorter fragments are merged")
-    similarity_backend: Literal["clf-static", "minilm", "tfidf", "none"] = Field(
+    similarity_backend: Literal["clf-static", "clf-minilm", "minilm", "tfidf", "none"] = Field(
         description="the topic scorer (backend/context/scorers.py): clf-static reads meaning (the default)"
     )
 

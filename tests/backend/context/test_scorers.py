@@ -15,8 +15,10 @@ from backend.context.topic import CosineScorer, NoShift
 def test_each_name_builds_its_scorer_and_minilm_is_shared_when_given() -> None:
     minilm = MiniLMSimilarity()
     static = make_scorer("clf-static")
+    full = make_scorer("clf-minilm", minilm)
     cosine = make_scorer("minilm", minilm)
     assert isinstance(static, ShiftClassifier) and isinstance(static.embedder, StaticEmbedder)
+    assert isinstance(full, ShiftClassifier) and full.embedder is minilm
     assert isinstance(cosine, CosineScorer) and cosine.backend is minilm
     assert isinstance(make_scorer("tfidf"), CosineScorer)
     assert isinstance(make_scorer("none"), NoShift)
@@ -28,7 +30,7 @@ def test_an_unknown_scorer_is_refused_by_name() -> None:
         make_scorer("word2vec")
     assert (refused.value.code, str(refused.value)) == (
         "unknown_backend",
-        "unknown topic scorer 'word2vec' (known: clf-static, minilm, tfidf, none)",
+        "unknown topic scorer 'word2vec' (known: clf-static, clf-minilm, minilm, tfidf, none)",
     )
 
 

@@ -17,7 +17,7 @@ from backend.context.static_embedding import StaticEmbedder
 from backend.context.topic import TopicTracker, identifier_keys, tuned
 
 IDENT = identifier_keys(RuleSet.compile(DEFAULT_RULES))
-CLASSIFIERS = {"clf-static": "minilm-static"}
+CLASSIFIERS = {"clf-static": "minilm-static", "clf-minilm": "minilm"}
 
 
 @pytest.mark.parametrize(("scorer", "embedder"), CLASSIFIERS.items())
