@@ -191,7 +191,7 @@ async def _load_model(llm: LLMEngine, startup: Startup) -> None:
     model, cache_dir = llm.config.model, llm.config.cache_dir
     startup.enter(Phase.LOADING_MODEL, f"loading the model {model}")
     if locate_model(model, cache_dir).needs_conversion:
-        startup.enter(Phase.CONVERTING_MODEL, "converting it to a safetensors cache, once (about a minute on 2 cores)")
+        startup.enter(Phase.CONVERTING_MODEL, "converting it to a safetensors cache, once (30 s or more on 2 cores)")
         await _in_daemon_thread(resolve_model, model, cache_dir)
         startup.enter(Phase.LOADING_MODEL, "loading the converted model")
     await llm.start()

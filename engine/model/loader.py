@@ -74,7 +74,7 @@ class ModelSource:
 
     @property
     def needs_conversion(self) -> bool:
-        """A GGUF whose safetensors copy is not there yet: resolving it converts it (about a minute on 2 cores)."""
+        """A GGUF whose safetensors copy is not there yet: resolving it converts it (30 s or more on 2 cores)."""
         return self.is_gguf and not (self.models_dir / gguf_cache_key(self.path) / "config.json").is_file()
 
 

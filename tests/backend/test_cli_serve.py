@@ -63,7 +63,7 @@ def test_a_start_that_fails_after_listening_exits_with_one_line(tmp_path: Path) 
     assert lines[-1].startswith(
         "error: kvchat could not start: while converting model: cannot convert GGUF file 'broken.gguf': "
     ), lines[-5:]
-    converting = "converting it to a safetensors cache, once (about a minute on 2 cores)"
+    converting = "converting it to a safetensors cache, once (30 s or more on 2 cores)"
     assert any(line.endswith(converting) for line in lines)
 
 

@@ -119,7 +119,7 @@ async def test_a_first_start_answers_starting_until_it_is_ready(pg_url: str, tmp
     assert phases == [
         "migrating the database",
         f"loading the model {gguf}",
-        "converting it to a safetensors cache, once (about a minute on 2 cores)",
+        "converting it to a safetensors cache, once (30 s or more on 2 cores)",
         "loading the converted model",
         "marking replies a crash cut off, pinning prefixes",
         f"kvchat ready: chat page {server.http}/chat (websocket /ws/chat), dashboard {server.http}/dashboard, "
