@@ -3,9 +3,9 @@
 ContextError                 code
 ├── InvalidRuleError         invalid_rule      a splitter rule does not compile or can match the empty string
 │   └── RuleLimitError       rule_limit        the tenant's rules would pass a cap (their number, their size)
-├── UnknownBackendError      unknown_backend   a similarity backend name that is not registered
+├── UnknownBackendError      unknown_backend   a topic scorer (or similarity backend) name that is not registered
 ├── BackendUnavailableError  backend_unavailable  the backend's package (the embedding model) is not installed
-└── InvalidSettingsError     invalid_settings  topic thresholds out of range
+└── InvalidSettingsError     invalid_settings  topic thresholds out of range, or a shift model that does not fit
 """
 
 from __future__ import annotations
