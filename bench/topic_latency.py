@@ -6,10 +6,10 @@ One server (the tiny model, replies of ``--max-tokens`` tokens, so a turn is mos
 tenant. Sessions replay the customer messages of held-out CuCom conversations, under the control ``none`` (a tracker
 that never shifts: no embedding, no classifier) and under each scorer measured. For every customer message: the
 time from sending ``user.message`` to the first ``message.delta`` of its reply (the topic is decided in between,
-before the prompt is built). Each scorer has its own session, and the sessions take each message in turn (the tenant's scorer set through
-the admin API before each), so a scorer's wait is paired with the control's wait for the same message moments
-before. Reported per scorer: p50 and p90 over all messages, and the median of the paired differences (the latency
-added). A first session of each is a warm-up (it loads the scorer's model) and is not counted.
+before the prompt is built). Each scorer has its own session, and the sessions take each message in turn (the
+tenant's scorer set through the admin API before each), so a scorer's wait is paired with the control's wait for the
+same message moments before. Reported per scorer: p50 and p90 over all messages, and the median of the paired
+differences (the latency added). A first session of each is a warm-up (it loads the scorer's model), not counted.
 
 Writes ``docs/benchmarks/topic_latency.json``, with the machine it ran on.
 """
