@@ -18,6 +18,7 @@ def test_one_session_is_scored_under_every_row_plain_and_masked(tiny_model_dir: 
     assert context_quality.DEFAULT_DATA.is_relative_to(context_quality.REPO / "bench" / "data")
     out = tmp_path / "cq.json"
     argv = ["--model", str(tiny_model_dir), "--sessions", "1", "--conversations-per-session", "2"]
+    argv += ["--score-per-conversation", "1"]
     assert context_quality.main([*argv, "--policy-chars", "300", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert list(result["results"]) == ["plain", "masked"]
