@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for kind in ("first", "later"):
         starts = [r[kind] for r in rounds]
         summary[kind] = {
-            name: statistics.median(getattr(s, name) for s in starts)
+            name: round(statistics.median(getattr(s, name) for s in starts), 2)
             for name in ("listening_s", "ready_s", "converting_s", "loading_s")
         }
         rows.append([kind, *summary[kind].values()])
