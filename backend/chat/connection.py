@@ -30,14 +30,16 @@ from backend.chat.protocol import (
 )
 from backend.chat.rate_limit import TokenBucket
 from backend.chat.service import ChatService
-from backend.core import logs
+from backend.core import client_errors, logs
 from backend.core.errors import BackendError, SessionNotFoundError
 from backend.core.metrics import Metrics
 from backend.db.models import KeyKind, Tenant
-from backend.services.tenants import KeyOwner, authenticate_key
+from backend.services.tenants import KeyOwner
 from engine.errors import EngineError
 
 log = logging.getLogger("kvchat.ws")
+refusals = client_errors.RateLimitedLog(log)  # one line per kind of refused socket, at most every 10 s
+client_errors.install()  # uvicorn's line for a client's bad frame: one line, no traceback
 
 _CLOSE = object()  # sentinel in the writer queue
 
@@ -108,13 +110,12 @@ class ChatConnection:
         watching = 0
         try:
             hello = await self._read_hello()
+            self._refuse_early(hello)
             owner = await self._authenticate(hello)
             watching = self.service.hub.keys.watch(owner.key_id, self.key_revoked.set)
             self.tenant = owner.tenant
             client = ConnectionKey(self.tenant.id, hello.external_ref or self._client_address())
-            refusal = self.service.hub.try_connect(
-                client, self.limits.max_connections_per_tenant, self.limits.max_connections_per_client
-            )
+            refusal = self.service.hub.try_connect(client, *self._caps())
             if refusal is not None:
                 client = None
                 raise _Closed(CloseCode.TRY_AGAIN_LATER, refusal)
@@ -128,6 +129,8 @@ class ChatConnection:
             self.send(welcome)
             await self._read_until_closed()
         except _Closed as closed:
+            if closed.code == CloseCode.TRY_AGAIN_LATER:
+                refusals.info(closed.reason, f"refused a socket with 1013: {closed.reason}")
             await self._drain_and_close(writer, closed.code, closed.reason)
         except WebSocketDisconnect:
             pass
@@ -198,9 +201,21 @@ class ChatConnection:
             raise _Closed(CloseCode.UNAUTHORIZED, "the first frame must be hello")
         return frame
 
+    def _refuse_early(self, hello: Hello) -> None:
+        """Close with 1013 before any database work when a cap is already reached for the tenant that this token
+        belonged to a moment ago (a burst of hellos is refused from memory; admission still asks the database)."""
+        known = self.service.keys.recent(hello.token, KeyKind.CHAT)
+        if known is not None:
+            client = ConnectionKey(known.tenant_id, hello.external_ref or self._client_address())
+            refusal = self.service.hub.refusal(client, *self._caps())
+            if refusal is not None:
+                raise _Closed(CloseCode.TRY_AGAIN_LATER, refusal)
+
+    def _caps(self) -> tuple[int, int]:
+        return self.limits.max_connections_per_tenant, self.limits.max_connections_per_client
+
     async def _authenticate(self, hello: Hello) -> KeyOwner:
-        async with self.service.sessionmaker() as db:
-            owner = await authenticate_key(db, hello.token, KeyKind.CHAT)
+        owner = await self.service.keys.owner(hello.token, KeyKind.CHAT)
         if owner is None:
             raise _Closed(CloseCode.UNAUTHORIZED, "invalid token")
         return owner

@@ -53,15 +53,21 @@ class SessionHub:
     def subscriber_count(self, session_id: str) -> int:
         return len(self._subscribers.get(session_id, {}))
 
+    def refusal(self, key: ConnectionKey, tenant_cap: int, client_cap: int) -> str | None:
+        """Why a new socket of ``key`` would be refused now (closed with 1013), or None. Counts nothing."""
+        if self._tenant_connections.get(key.tenant_id, 0) >= tenant_cap:
+            return f"too many connections for this tenant (limit {tenant_cap})"
+        if self._client_connections.get(key, 0) >= client_cap:
+            return f"too many connections for this client (limit {client_cap})"
+        return None
+
     def try_connect(self, key: ConnectionKey, tenant_cap: int, client_cap: int) -> str | None:
         """Count a new socket, or return why it is refused (the caller closes it with 1013)."""
-        if self._tenant_connections[key.tenant_id] >= tenant_cap:
-            return f"too many connections for this tenant (limit {tenant_cap})"
-        if self._client_connections[key] >= client_cap:
-            return f"too many connections for this client (limit {client_cap})"
-        self._tenant_connections[key.tenant_id] += 1
-        self._client_connections[key] += 1
-        return None
+        refused = self.refusal(key, tenant_cap, client_cap)
+        if refused is None:
+            self._tenant_connections[key.tenant_id] += 1
+            self._client_connections[key] += 1
+        return refused
 
     def disconnect(self, key: ConnectionKey) -> None:
         self._tenant_connections[key.tenant_id] = max(0, self._tenant_connections[key.tenant_id] - 1)

@@ -58,6 +58,7 @@ from backend.core.offload import run_cpu
 from backend.db.models import InvalidationReason, Message, MessageRole, MessageStatus, SessionStatus, Tenant
 from backend.services import sessions as store
 from backend.services.context_service import SYSTEM_ACTOR, ContextService, PreparedPrompt
+from backend.services.key_lookup import KeyLookup
 from engine.errors import EngineBusy, EngineError
 from engine.llm_engine import ErasureResult, LLMEngine
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, TokenDelta
@@ -129,6 +130,7 @@ class ChatService:
         self._engine = engine
         self.context = context
         self.hub = hub
+        self.keys = KeyLookup(sessionmaker, hub.keys)  # chat tokens, looked up once per burst (hello, /v1)
         self.reply = reply or ReplyConfig()
         self._metrics = metrics
         self._commit_delay_s = commit_delay_s  # test hook (crash tests): see store.add_assistant_message

@@ -23,7 +23,9 @@ INT32_MAX = 2**31 - 1
 MAX_JSON_DEPTH = 64
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# NOTE: unrolled ("normal* (special normal*)*"): a run of plain characters is one step, not one step each, so a
+# 0.6 MB string literal is cut in 2 ms instead of 70 ms, during which this thread holds the GIL (issue 28: /livez).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _BRACKET = re.compile(rb"[\[\]{}]")
 
 

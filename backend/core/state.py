@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from backend.chat.service import ChatService
+from backend.core.admission import Admission
 from backend.core.config import Settings
 from backend.core.metrics import Metrics
 from backend.core.namespaces import Namespaces
@@ -22,3 +23,4 @@ class AppState:
     chat: ChatService
     metrics: Metrics
     namespaces: Namespaces  # every engine call's cache namespace comes from here (backend/core/namespaces.py)
+    admission: Admission = field(default_factory=Admission)  # /v1 requests in flight (backend/core/admission.py)

@@ -58,7 +58,7 @@ class KeyWatch:
         """Call ``on_revoked`` once when ``key_id`` is revoked (at once if it was, lately); returns a token for
         ``unwatch``."""
         self._next += 1
-        if self._revoked_lately(key_id):
+        if self.revoked_lately(key_id):
             on_revoked()
             return self._next
         self._watchers.setdefault(key_id, {})[self._next] = on_revoked
@@ -87,7 +87,8 @@ class KeyWatch:
                 called += 1
         return called
 
-    def _revoked_lately(self, key_id: str) -> bool:
+    def revoked_lately(self, key_id: str) -> bool:
+        """Whether ``key_id``'s revocation was heard in the last minute."""
         heard = self._recent.get(key_id)
         return heard is not None and self._clock() - heard < _REMEMBER_S
 

@@ -18,7 +18,6 @@ from backend.db.models import KeyKind, Tenant
 from backend.openai import service
 from backend.openai.errors import OpenAIRoute, unauthorized
 from backend.openai.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse, ModelCard, ModelList
-from backend.services.tenants import authenticate
 
 _ERRORS: dict[int | str, dict[str, object]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute, responses=_ERRORS)
@@ -27,12 +26,12 @@ router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute, respo
 async def _chat_tenant(
     request: Request, state: StateDep, _bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)] = None
 ) -> Tenant:
-    # NOTE: its own short DB session, not DbDep: a streamed reply must not hold a pooled connection while it runs.
-    async with state.sessionmaker() as db:
-        tenant = await authenticate(db, bearer_token(request), KeyKind.CHAT)
-    if tenant is None:
+    # NOTE: not DbDep: a streamed reply must not hold a pooled connection while it runs. The lookup runs its own short
+    # session, shared by every request with the same key meanwhile (a burst costs one query).
+    owner = await state.chat.keys.owner(bearer_token(request), KeyKind.CHAT)
+    if owner is None:
         raise unauthorized()
-    return tenant
+    return owner.tenant
 
 
 ChatTenantDep = Annotated[Tenant, Depends(_chat_tenant)]
@@ -53,7 +52,7 @@ async def get_model(model_id: str, _: ChatTenantDep, state: StateDep) -> ModelCa
 async def chat_completions(
     body: ChatCompletionRequest, tenant: ChatTenantDep, state: StateDep, request: Request
 ) -> ChatCompletion | StreamingResponse:
-    completions = service.ChatCompletions(state.engine, state.metrics)
+    completions = service.ChatCompletions(state.engine, state.metrics, admission=state.admission)
     pending, meta = await completions.start(body, tenant.id, state.namespaces.of(tenant.id, tenant.cache_scope))
     if body.stream:
         return completions.stream(pending, meta)
