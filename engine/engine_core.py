@@ -74,6 +74,7 @@ class EngineCore:
         cls, runner: ModelRunner, config: EngineConfig, info: EngineInfo, lock: threading.Lock, wakeup: threading.Event
     ) -> EngineCore:
         """Wire the parts around a loaded model: tokenizer, pool bookkeeping, scheduler, cache control, requests."""
+        from engine.grammar import GrammarCompiler
         from engine.sampler import Sampler
         from engine.tokenizer import Tokenizer
 
@@ -84,7 +85,9 @@ class EngineCore:
         scheduler = Scheduler(SchedulerConfig.from_engine_config(config), kv)
         cache = CacheControl(kv, info.fingerprint, config.cache_settings, lock, lambda: table.seqs())
         table = RequestTable(scheduler, cache, info.max_model_len)
-        return cls(runner, encoder, Sampler(runner.device), kv, scheduler, cache, table, lock, wakeup)
+        grammar = GrammarCompiler(tokenizer.hf, info.vocab_size, tokenizer.eos_token_ids)
+        sampler = Sampler(runner.device, vocab_size=info.vocab_size, grammar=grammar)
+        return cls(runner, encoder, sampler, kv, scheduler, cache, table, lock, wakeup)
 
     def prepare(self, submission: Submission, rid: str, session: str | None) -> Request:
         """A request ready to be added: its prompt encoded (outside the lock: it may tokenize) and checked."""
@@ -96,7 +99,7 @@ class EngineCore:
         self.encoder.check_fits(len(ids), params.max_tokens)
         spans = SpanMap(tokenized.spans or (TokenSpan(0, len(ids), UNTYPED),), fill=GENERATED)
         seq = Seq(rid, ids, params, self.cache.root(namespace), spans=spans, session=session)
-        state = self.sampler.new_state(params, self.encoder.tokenizer.eos_token_ids, request_id=rid)
+        state = self.sampler.new_state(params, self.encoder.tokenizer.eos_token_ids, rid, prompt_token_ids=ids)
         return Request(seq, state, IncrementalDetokenizer(self.encoder.tokenizer, ids, params.stop), sink)
 
     def serve(self, stopping: threading.Event) -> None:

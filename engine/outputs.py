@@ -32,10 +32,21 @@ class RequestStats:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The model's raw log-probability of a sampled token (before penalties, bias, grammar or temperature: vLLM's
+    default), and the ``SamplingParams.logprobs`` most likely tokens at that step, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TokenDelta:
     request_id: str
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, with SamplingParams.logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +58,8 @@ class RequestFinished:
     stats: RequestStats
     # With SamplingParams.prompt_logprobs: one entry per prompt token, log p(token p | tokens 0..p-1); None at p = 0.
     prompt_logprobs: tuple[float | None, ...] | None = None
+    # With SamplingParams.logprobs: one per generated token (token_ids), in order.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 GenerationEvent = TokenDelta | RequestFinished

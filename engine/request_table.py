@@ -146,7 +146,8 @@ class RequestTable:
         # NOTE: every sampled token is reported in exactly one delta, even when its text is empty (held back, or a
         # stop token), so a stream's token ids always add up to the final event's.
         req.pieces.append(text)
-        req.sink(TokenDelta(seq.request_id, (token,), text))
+        logprobs = req.sampler_state.logprobs[-1:] if seq.params.logprobs is not None else ()
+        req.sink(TokenDelta(seq.request_id, (token,), text, tuple(logprobs)))
         if reason is not None:
             self.finish(req, reason, now)
 
@@ -167,9 +168,11 @@ class RequestTable:
         c.prompt_tokens += stats.prompt_tokens
         c.cached_tokens += stats.cached_tokens
         c.generated_tokens += stats.completion_tokens
-        logprobs = None if seq.prompt_logprobs is None else tuple(seq.prompt_logprobs)
+        prompt_logprobs = None if seq.prompt_logprobs is None else tuple(seq.prompt_logprobs)
+        logprobs = tuple(req.sampler_state.logprobs) if seq.params.logprobs is not None else None
         text = "".join(req.pieces)
-        req.sink(RequestFinished(seq.request_id, reason, text, tuple(seq.output_token_ids), stats, logprobs))
+        ids = tuple(seq.output_token_ids)
+        req.sink(RequestFinished(seq.request_id, reason, text, ids, stats, prompt_logprobs, logprobs))
 
     def fail(self, request_id: str, error: EngineError, cause: BaseException | None = None) -> None:
         """End a request with ``error`` (its sink's last event), releasing its blocks."""

@@ -2,13 +2,17 @@
 
 ``Sampler.sample(logits, states)`` takes float32 logits ``[n, vocab]`` and one ``SamplerState`` per row and returns
 one outcome per row: the chosen token id, or a ``RowError`` when that row cannot be sampled (the model gave NaN or
-+inf logits, or sampling it raised). A failed row never affects the others: the engine fails that request alone.
-A state is made once per request with ``Sampler.new_state(params, eos_token_ids)`` and lives as long as the request.
++inf logits, its grammar allows nothing, or sampling it raised). A failed row never affects the others: the engine
+fails that request alone. A state is made once per request with ``Sampler.new_state(params, eos_token_ids, ...)``
+and lives as long as the request; the sampler records each token it picks in it (penalty counts, grammar position).
 
-* Greedy (``temperature == 0``) is an argmax; a batch that is greedy throughout costs a single argmax call.
-* Otherwise: min-tokens masking, then temperature, then top-k, then top-p (nucleus), then one multinomial draw.
-  Every parameter value ``SamplingParams`` accepts gives finite probabilities: the logits are shifted to a maximum
-  of 0 before the division by the temperature (no overflow), and top-k/top-p always keep the most likely token.
+* A batch whose rows are all plain greedy (no penalty, bias, grammar, min-tokens mask or logprobs) costs a single
+  argmax call.
+* Every other row is processed alone, on a copy of its own 1-D row, in vLLM's order (``engine/logits_processors.py``):
+  grammar mask, logit bias, min-tokens mask, penalties; then argmax when greedy, else temperature, min_p, top-k,
+  top-p and one multinomial draw. Every parameter value ``SamplingParams`` accepts gives finite probabilities.
+* Nothing a row does depends on another row: a reply is the same whatever its batch neighbours, and (fp32) whether
+  its prompt came from the prefix cache or not.
 * A request with a ``seed`` owns a ``torch.Generator`` seeded once at request start and advanced only by that
   request's draws, so its tokens do not depend on the batch it lands in or its row in it. Unseeded requests share
   the sampler's generator.
@@ -16,12 +20,26 @@ A state is made once per request with ``Sampler.new_state(params, eos_token_ids)
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from engine.errors import InvalidSamplingParamsError
+from engine.grammar import GrammarCompiler, GrammarMatcher
+from engine.logits_processors import (
+    TokenHistory,
+    apply_logit_bias,
+    apply_penalties,
+    logit_bias_tensors,
+    mask_ids,
+    min_p,
+    scale_by_temperature,
+    top_k,
+    top_p,
+)
 from engine.model import cpu_kernels, kernels
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -31,6 +49,7 @@ class SamplerState:
 
     ``stop_token_ids`` are the ids that end the request: the EOS ids (unless ``ignore_eos``) plus the request's own
     ``stop_token_ids``. While fewer than ``min_tokens`` tokens have been generated they are masked out.
+    ``logprobs`` holds one entry per sampled token when the request asked for them.
     """
 
     params: SamplingParams
@@ -38,14 +57,31 @@ class SamplerState:
     generator: torch.Generator | None  # None: unseeded, draws come from the sampler's shared generator
     num_generated: int = 0
     request_id: str = ""  # for logs and fault injection (engine.testing)
+    history: TokenHistory | None = None  # with penalties
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # with logit_bias: (ids, values)
+    grammar: GrammarMatcher | None = None  # with structured output
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def masks_stop_tokens(self) -> bool:
         return self.num_generated < self.params.min_tokens and bool(self.stop_token_ids)
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing to do to its row: the batch argmax is its token."""
+        p = self.params
+        return p.greedy and not p.changes_logits and p.logprobs is None and not self.masks_stop_tokens
+
     def is_stop_token(self, token_id: int) -> bool:
         """True when ``token_id`` ends the request (the engine checks this after each step)."""
         return token_id in self.stop_token_ids
+
+    def record(self, token_id: int) -> None:
+        """The token picked for this request: count it and advance its grammar."""
+        if self.history is not None:
+            self.history.record(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +91,10 @@ class RowError:
     reason: str
 
 
+class _RowFailure(Exception):
+    """A row that cannot be sampled for a reason the sampler names (not a bug)."""
+
+
 SampleOutcome = int | RowError
 FaultHook = Callable[[SamplerState], None]
 
@@ -62,52 +102,114 @@ FaultHook = Callable[[SamplerState], None]
 class Sampler:
     """Turns a batch of logits into next tokens; stateless apart from the shared generator for unseeded requests.
 
-    ``fault_hook`` (None in production) is called with each row's state before the row is sampled; an exception it
-    raises fails that row alone. It is how tests inject a failure into one request of a batch (engine.testing).
+    ``vocab_size`` (optional) checks ``logit_bias`` ids when a request starts; ``grammar`` compiles structured-output
+    requests (without one they are refused). ``fault_hook`` (None in production) is called with each row's state
+    before the row is sampled; an exception it raises fails that row alone (engine.testing injects failures so).
     """
 
-    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        seed: int | None = None,
+        vocab_size: int | None = None,
+        grammar: GrammarCompiler | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self._generator = _make_generator(self.device, seed)
+        self._vocab_size = vocab_size
+        self._grammar = grammar
         self.fault_hook: FaultHook | None = None
 
-    def new_state(self, params: SamplingParams, eos_token_ids: tuple[int, ...], request_id: str = "") -> SamplerState:
-        """Per-request state; seeds the request's own generator when ``params.seed`` is set."""
+    def new_state(
+        self,
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...],
+        request_id: str = "",
+        prompt_token_ids: Sequence[int] = (),
+    ) -> SamplerState:
+        """Per-request state: its generator (``params.seed``), penalty history, bias and grammar matcher. Raises
+        ``InvalidSamplingParamsError`` for a bias outside the vocabulary or a grammar that cannot be compiled."""
         eos = () if params.ignore_eos else eos_token_ids
-        generator = None if params.seed is None else _make_generator(self.device, params.seed)
-        return SamplerState(
+        state = SamplerState(
             params=params,
             stop_token_ids=frozenset((*eos, *params.stop_token_ids)),
-            generator=generator,
+            generator=None if params.seed is None else _make_generator(self.device, params.seed),
             request_id=request_id,
         )
+        if params.has_penalties:
+            state.history = TokenHistory(prompt_token_ids, params.max_tokens)
+        if params.logit_bias:
+            outside = [t for t, _ in params.logit_bias if self._vocab_size is not None and t >= self._vocab_size]
+            if outside:
+                raise InvalidSamplingParamsError(
+                    f"logit_bias token id {outside[0]} is outside the vocabulary [0, {self._vocab_size})"
+                )
+            state.bias = logit_bias_tensors(params.logit_bias, self.device)
+        if params.structured is not None:
+            if self._grammar is None:
+                raise InvalidSamplingParamsError("structured output is not available in this sampler")
+            state.grammar = self._grammar.compile(params.structured)
+        return state
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, states: list[SamplerState]) -> list[SampleOutcome]:
-        """Pick one token per row (or say why a row failed); counts the row in its state's ``num_generated``."""
+        """Pick one token per row (or say why a row failed); counts the row in its state's ``num_generated`` and
+        records the picked token in its state."""
         _check_batch(logits, states)
         logits = logits.to(self.device)
         failed = _non_finite_rows(logits) | self._hook_failures(states)
-        if all(s.params.greedy and not s.masks_stop_tokens for s in states):
+        if all(s.is_plain_greedy for s in states):
             tokens = _argmax(logits)  # NOTE: the fast path: one call, no copies.
         else:
-            tokens = self._sample_mixed(_mask_stop_tokens(logits, states), states, failed)
-        for state in states:
+            tokens = self._sample_rows(logits, states, failed)
+        for row, state in enumerate(states):
             state.num_generated += 1
+            if row not in failed:
+                state.record(tokens[row])
         return [failed.get(row, token) for row, token in enumerate(tokens)]
 
-    def _sample_mixed(self, logits: torch.Tensor, states: list[SamplerState], failed: dict[int, RowError]) -> list[int]:
-        """Argmax for greedy rows, one draw for the others; a row that raises is recorded in ``failed``."""
+    def _sample_rows(self, logits: torch.Tensor, states: list[SamplerState], failed: dict[int, RowError]) -> list[int]:
+        """The batch argmax for plain greedy rows, each other row alone; a row that fails is recorded in ``failed``."""
         tokens = _argmax(logits)
         for row, state in enumerate(states):
-            if state.params.greedy or row in failed:
+            if row in failed or state.is_plain_greedy:
                 continue
-            generator = state.generator if state.generator is not None else self._generator
             try:
-                tokens[row] = _sample_row(logits[row], state.params, generator)
+                tokens[row] = self._choose(logits[row], state)
+                if state.params.logprobs is not None:
+                    state.logprobs.append(_token_logprob(logits[row], tokens[row], state.params.logprobs))
+            except _RowFailure as exc:
+                failed[row] = RowError(str(exc))
             except Exception as exc:  # noqa: BLE001 - one bad row must not fail the batch
                 failed[row] = RowError(f"sampling raised {type(exc).__name__}: {exc}")
         return tokens
+
+    def _choose(self, raw: torch.Tensor, state: SamplerState) -> int:
+        """One row's token: its logits processed (on a copy), then argmax or one draw.
+
+        NOTE: rows are processed one at a time, on a 1-D view, so a request's result depends only on its own logits,
+        state and generator, never on the batch size or its position in the batch.
+        """
+        params = state.params
+        row = raw
+        if params.changes_logits or state.masks_stop_tokens:
+            row = raw.clone()
+            if state.grammar is not None and not state.grammar.apply(row):
+                raise _RowFailure("the grammar allows no token here")
+            if state.bias is not None:
+                apply_logit_bias(row, *state.bias)
+            if state.masks_stop_tokens:
+                # NOTE: when every token the model can emit is a stop token, min_tokens cannot be met: the mask is
+                # skipped (the request stops) rather than leaving a row with nothing to sample.
+                mask_ids(row, sorted(state.stop_token_ids))
+            if state.history is not None:
+                apply_penalties(row, state.history, params)
+            if not bool(torch.isfinite(row.max())):
+                raise _RowFailure("the sampling parameters left no finite logit")
+        if params.greedy:
+            return _argmax(row[None])[0]
+        generator = state.generator if state.generator is not None else self._generator
+        return _draw(row, params, generator)
 
     def _hook_failures(self, states: list[SamplerState]) -> dict[int, RowError]:
         if self.fault_hook is None:
@@ -128,6 +230,24 @@ def _argmax(logits: torch.Tensor) -> list[int]:
         return cpu_kernels.argmax(lib, logits)
     tokens: list[int] = logits.argmax(dim=-1).tolist()
     return tokens
+
+
+def _draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One draw from a processed row: temperature, min_p, top-k, top-p, multinomial."""
+    scaled = scale_by_temperature(row, params.temperature)
+    filtered = top_p(top_k(min_p(scaled, params.min_p), params.top_k), params.top_p)
+    probs = torch.softmax(filtered, dim=-1)
+    return int(torch.multinomial(probs, num_samples=1, generator=generator).item())
+
+
+def _token_logprob(raw: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """The model's own log-probabilities (vLLM's ``raw_logprobs``): the sampled token's and the ``k`` largest."""
+    logprobs = torch.log_softmax(raw, dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        values, ids = torch.topk(logprobs, k)
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(logprobs[token]), top)
 
 
 def _make_generator(device: torch.device, seed: int | None) -> torch.Generator:
@@ -153,57 +273,3 @@ def _non_finite_rows(logits: torch.Tensor) -> dict[int, RowError]:
     row_max = logits.amax(dim=-1)
     bad = (~torch.isfinite(row_max)).nonzero().flatten().tolist()
     return {row: RowError("the model produced non-finite logits") for row in bad}
-
-
-def _mask_stop_tokens(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
-    """Copy of ``logits`` with the stop ids at -inf in rows that have not reached ``min_tokens`` yet."""
-    rows = [row for row, state in enumerate(states) if state.masks_stop_tokens]
-    if not rows:
-        return logits
-    logits = logits.clone()
-    vocab = logits.shape[1]
-    for row in rows:
-        # NOTE: ids outside the vocabulary (a stop_token_id the model cannot emit) are simply ignored.
-        ids = [t for t in states[row].stop_token_ids if t < vocab]
-        masked = logits[row].index_fill(0, torch.tensor(ids, dtype=torch.long, device=logits.device), float("-inf"))
-        # NOTE: when every token the model can emit is a stop token, min_tokens cannot be met: the mask is skipped
-        # (the request stops) rather than leaving a row with nothing to sample.
-        if bool(torch.isfinite(masked).any()):
-            logits[row] = masked
-    return logits
-
-
-def _sample_row(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One draw from one row.
-
-    NOTE: rows are sampled one at a time, on a 1-D view, so a seeded request's result depends only on its own
-    logits and generator, never on the batch size or its position in the batch.
-    NOTE: the row is shifted to a maximum of 0 before the division, so no temperature can overflow it to inf: the
-    most likely token keeps logit 0 and the softmax below always has a positive sum.
-    """
-    scaled = (row - row.max()) / params.temperature
-    filtered = _top_p(_top_k(scaled, params.top_k), params.top_p)
-    probs = torch.softmax(filtered, dim=-1)
-    return int(torch.multinomial(probs, num_samples=1, generator=generator).item())
-
-
-def _top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits (ties with the k-th are kept too); ``k == 0`` disables the filter."""
-    if k == 0 or k >= logits.shape[-1]:
-        return logits
-    kth = torch.topk(logits, k).values[-1]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def _top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches ``p``; ``p == 1`` disables it."""
-    if p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # NOTE: a token is dropped when the tokens before it already reach p. The most likely token is kept explicitly:
-    # a p below float32's smallest subnormal (1e-300) compares as 0.0, and ``mass_before >= 0`` holds everywhere.
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop_sorted = mass_before >= p
-    drop_sorted[0] = False
-    return logits.index_fill(0, order[drop_sorted], float("-inf"))

@@ -314,3 +314,88 @@ def test_a_row_whose_sampling_raises_fails_alone_and_the_others_keep_their_seede
     sampler.fault_hook = hook
     outcomes = sampler.sample(logits, states)
     assert outcomes == [clean[0], RowError("sampling raised RuntimeError: boom"), clean[2]]
+
+
+# --- penalties, bias, min_p, logprobs, grammar: per row, so neighbours never change a row -------------------------
+
+
+def test_a_repetition_penalty_turns_greedy_away_from_a_prompt_token() -> None:
+    sampler = Sampler(vocab_size=VOCAB)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5], logits[0, 6] = 3.0, 2.0
+    plain = sampler.new_state(SamplingParams(), eos_token_ids=(EOS,), prompt_token_ids=[5])
+    penalised = sampler.new_state(SamplingParams(repetition_penalty=2.0), eos_token_ids=(EOS,), prompt_token_ids=[5])
+    assert sampler.sample(torch.cat([logits, logits]), [plain, penalised]) == [5, 6]
+
+
+def test_a_frequency_penalty_grows_with_each_repeat() -> None:
+    sampler = Sampler(vocab_size=VOCAB)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 10], logits[0, 11] = 2.0, 1.0
+    s = sampler.new_state(SamplingParams(frequency_penalty=0.6), eos_token_ids=(EOS,))
+    # 10 wins until its count makes 2.0 - 0.6 * count drop below 1.0 (after two), then 11 until it is used once.
+    assert [sampler.sample(logits, [s])[0] for _ in range(4)] == [10, 10, 11, 10]
+
+
+def test_logit_bias_steers_greedy_and_is_checked_against_the_vocabulary() -> None:
+    sampler = Sampler(vocab_size=VOCAB)
+    logits = random_logits(1, seed=12)
+    top = int(logits[0].argmax())
+    s = sampler.new_state(SamplingParams(logit_bias=((top, -100.0), (40, 100.0))), eos_token_ids=(EOS,))
+    assert sampler.sample(logits, [s]) == [40]
+    with pytest.raises(InvalidSamplingParamsError, match=rf"^logit_bias token id {VOCAB} is outside the vocabulary"):
+        sampler.new_state(SamplingParams(logit_bias=((VOCAB, 1.0),)), eos_token_ids=(EOS,))
+
+
+def test_min_p_one_keeps_only_the_top_token(sampler: Sampler) -> None:
+    logits = random_logits(4, seed=13)
+    states = [state(sampler, temperature=1.0, min_p=1.0, seed=i) for i in range(4)]
+    assert sampler.sample(logits, states) == logits.argmax(dim=-1).tolist()
+
+
+def test_logprobs_are_the_raw_model_log_probabilities_with_the_top_k(sampler: Sampler) -> None:
+    logits = random_logits(2, seed=14)
+    s = state(sampler, logprobs=3, repetition_penalty=1.5)
+    [_, token] = sampler.sample(logits, [state(sampler), s])
+    [entry] = s.logprobs
+    expected = torch.log_softmax(logits[1], dim=-1)
+    assert entry.token_id == token
+    assert entry.logprob == pytest.approx(float(expected[token]), abs=0, rel=0)
+    values, ids = torch.topk(expected, 3)
+    assert entry.top == tuple(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def test_structured_output_needs_a_grammar_compiler(sampler: Sampler) -> None:
+    from engine.sampling_params import GrammarKind, StructuredOutput
+
+    with pytest.raises(InvalidSamplingParamsError, match=r"^structured output is not available in this sampler$"):
+        state(sampler, structured=StructuredOutput(GrammarKind.JSON_OBJECT))
+
+
+PROCESSED = [
+    {"repetition_penalty": 1.4},
+    {"frequency_penalty": 0.8, "presence_penalty": 0.5, "temperature": 0.9, "seed": 4},
+    {"logit_bias": ((2, 5.0), (8, -5.0)), "min_p": 0.05, "temperature": 1.2, "seed": 6},
+    {"logprobs": 2, "min_tokens": 3},
+]
+
+
+@pytest.mark.parametrize("params", PROCESSED, ids=str)
+def test_a_processed_row_ignores_its_batch_neighbours(params: dict[str, object]) -> None:
+    def run(position: int, neighbours: list[dict[str, object]]) -> list[int]:
+        sampler = Sampler(seed=position, vocab_size=VOCAB)
+        target = sampler.new_state(SamplingParams(**params), (EOS,), prompt_token_ids=[1, 2, 3])  # type: ignore[arg-type]
+        others = [sampler.new_state(SamplingParams(**p), (EOS,), prompt_token_ids=[4]) for p in neighbours]  # type: ignore[arg-type]
+        out = []
+        for step in range(20):
+            logits = random_logits(len(others) + 1, seed=500 + step * 3 + len(others))
+            logits[position] = random_logits(1, seed=step)[0]
+            states = [*others[:position], target, *others[position:]]
+            token = sampler.sample(logits, states)[position]
+            assert isinstance(token, int)
+            out.append(token)
+        return out
+
+    alone = run(0, [])
+    assert run(1, [{}, {"temperature": 1.0}]) == alone
+    assert run(2, PROCESSED[:3]) == alone
