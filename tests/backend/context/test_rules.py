@@ -199,3 +199,18 @@ def test_the_largest_default_rule_is_well_under_the_size_cap() -> None:
     sizes = {r.name: compile_rule(r).program_size for r in DEFAULT_RULES}
     assert max(sizes.values()) < MAX_PROGRAM_SIZE // 2
     assert sizes["question_en"] < sizes["phone"]  # sizes are RE2 instructions, not characters
+
+
+def test_re2_classes_are_ascii_and_unicode_classes_say_so() -> None:
+    """What the docstring warns a rule's author of: \\w, \\d and \\b are ASCII in RE2; \\p{L} and \\p{Nd} are not."""
+    rules = RuleSet.compile(
+        [
+            Rule("ascii_word", r"\w{2}", BlockType.CODE, 3),
+            Rule("letters", r"\p{L}{2}", BlockType.STEP, 2),
+            Rule("digits", r"\p{Nd}{2}", BlockType.IDENTIFIER, 1),
+        ]
+    )
+    assert rules.find_all("中文", BlockType.CODE) == []
+    assert rules.find_all("中文", BlockType.STEP) == ["中文"]
+    assert rules.find_all("１２", BlockType.IDENTIFIER) == ["１２"]
+    assert rules.classify("１２") is not None and rules.classify("１２").rule.name == "digits"  # type: ignore[union-attr]
