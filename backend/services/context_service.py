@@ -127,23 +127,24 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class _Locked:
-    """A topic scorer shared by worker threads (the embedding caches are not thread-safe)."""
+    """A topic scorer shared by worker threads (the embedding caches are not thread-safe). Scorers that share the
+    MiniLM encoder share its lock too."""
 
-    def __init__(self, scorer: ShiftScorer, minilm: MiniLMSimilarity | None = None) -> None:
+    def __init__(self, scorer: ShiftScorer, minilm: MiniLMSimilarity | None, lock: threading.Lock) -> None:
         self.name = scorer.name
         self.minilm = minilm
         self._scorer = scorer
-        self._lock = threading.Lock()
+        self.lock = lock
 
     def on_topic(self, message: str, found: frozenset[str], state: TopicState, settings: TopicSettings) -> float:
-        with self._lock:
+        with self.lock:
             return self._scorer.on_topic(message, found, state, settings)
 
     def prepare(self, text: str) -> None:
         """Embed an agent reply now, so the customer's next message finds it cached (a no-op for other scorers)."""
         prepare = getattr(self._scorer, "prepare", None)
         if prepare is not None:
-            with self._lock:
+            with self.lock:
                 prepare(text)
 
 
@@ -157,10 +158,11 @@ def shared_scorer(name: str) -> _Locked:
     embedding cache) is shared by the scorers that use it."""
     with _SCORERS_LOCK:
         if name not in _SCORERS:
-            minilm = None
+            minilm, lock = None, threading.Lock()
             if name in _USES_MINILM:
-                minilm = next((s.minilm for s in _SCORERS.values() if s.minilm is not None), None) or MiniLMSimilarity()
-            _SCORERS[name] = _Locked(make_scorer(name, minilm), minilm)
+                sharing = next((s for s in _SCORERS.values() if s.minilm is not None), None)
+                minilm, lock = (sharing.minilm, sharing.lock) if sharing else (MiniLMSimilarity(), lock)
+            _SCORERS[name] = _Locked(make_scorer(name, minilm), minilm, lock)
         return _SCORERS[name]
 
 
