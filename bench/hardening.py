@@ -242,31 +242,52 @@ def _completion(stream: bool, content: str = "Hello there, how are you?") -> dic
 
 
 async def stream_burst(http_url: str, count: int, token: str = CHAT_TOKEN) -> StreamBurst:
-    """``count`` streaming completions at once; each latency runs from the request to its status line."""
+    """``count`` connections are opened, then each sends a streaming completion at once; each latency runs from its
+    request's first byte to its status line.
+
+    NOTE: raw sockets, not an HTTP client: a client library spends milliseconds of its own loop per request, which
+    a burst of 400 would add to every latency it measures.
+    """
     result = StreamBurst()
-    headers = {"Authorization": f"Bearer {token}"}
-    limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
-    async with httpx.AsyncClient(base_url=http_url, timeout=TIMEOUT_S, limits=limits) as client:
-        go = asyncio.Event()
+    url = httpx.URL(http_url)
+    body = json.dumps(_completion(True)).encode()
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.host}\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+    ready = 0
+    all_ready, go = asyncio.Event(), asyncio.Event()
 
-        async def one() -> None:
-            await go.wait()
-            start = time.perf_counter()
-            async with client.stream("POST", "/v1/chat/completions", headers=headers, json=_completion(True)) as r:
-                elapsed = time.perf_counter() - start
-                await r.aread()
-            if r.status_code == 200:
-                result.streamed.values.append(elapsed)
-            elif r.status_code == 503:
-                result.refused.values.append(elapsed)
-            else:
-                result.other[str(r.status_code)] = result.other.get(str(r.status_code), 0) + 1
+    async def one() -> None:
+        nonlocal ready
+        try:
+            reader, writer = await asyncio.open_connection(url.host, url.port)
+        finally:
+            ready += 1
+            if ready == count:
+                all_ready.set()
+        await go.wait()
+        start = time.perf_counter()
+        writer.write(request)
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), TIMEOUT_S)
+        elapsed = time.perf_counter() - start
+        await asyncio.wait_for(reader.read(), TIMEOUT_S)  # (to the end: the server closes after the response)
+        writer.close()
+        status = status_line.split(b" ")[1].decode() if status_line.count(b" ") >= 2 else "no answer"
+        if status == "200":
+            result.streamed.values.append(elapsed)
+        elif status == "503":
+            result.refused.values.append(elapsed)
+        else:
+            result.other[status] = result.other.get(status, 0) + 1
 
-        await one_request(client, headers)  # (warm: the first request pays for the connection pool and the model)
-        tasks = [asyncio.create_task(one()) for _ in range(count)]
-        await asyncio.sleep(0.2)
-        go.set()
-        await asyncio.gather(*tasks)
+    async with httpx.AsyncClient(base_url=http_url, timeout=TIMEOUT_S) as client:
+        await one_request(client, {"Authorization": f"Bearer {token}"})  # (warm: the first request loads things)
+    tasks = [asyncio.create_task(one()) for _ in range(count)]
+    await asyncio.wait_for(all_ready.wait(), TIMEOUT_S)
+    go.set()
+    await asyncio.gather(*tasks)
     return result
 
 

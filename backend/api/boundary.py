@@ -6,6 +6,8 @@ Two shapes, chosen by path:
     anything else  kvchat's  {"detail": <message>, "code": <stable code>}
 
     condition                               status  code
+    /v1/chat/completions past the engine's  503     busy          (with Retry-After; before any other work)
+      capacity (max_num_seqs + max_waiting)
     body over KVCHAT_MAX_REQUEST_BYTES      413     request_too_large
     JSON nested deeper than MAX_JSON_DEPTH  400     invalid_request
     undecodable or invalid body / params    400/422 invalid_request   (/v1: 400; elsewhere FastAPI's 422)
@@ -18,7 +20,10 @@ Two shapes, chosen by path:
     an unexpected exception                 500     internal_error    (logged once, with its traceback)
 
 ``BodyGuard`` is raw ASGI middleware: it refuses an oversized body from its ``Content-Length`` before reading a byte,
-stops reading a chunked one at the cap, and checks JSON nesting before any parser recurses into it.
+stops reading a chunked one at the cap, and checks JSON nesting before any parser recurses into it. ``AdmissionGuard``,
+outside it, counts completion requests from their first byte to their last (``backend/core/admission.py``) and
+refuses one past the engine's capacity at once: before its body is parsed or its key looked up, so a burst of 400 is
+refused in memory while the admitted ones run (a refusal can therefore come before a bad key's 401).
 """
 
 from __future__ import annotations
@@ -34,9 +39,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backend.context.errors import ContextError
+from backend.core.admission import RETRY_AFTER_S
 from backend.core.errors import HTTP_STATUS_CODES, BackendError, StartingError, error_location, error_problem
 from backend.core.limits import MAX_JSON_DEPTH, json_too_deep
-from backend.openai.errors import SERVER_ERROR, OpenAIError, from_http_exception, from_validation_error
+from backend.core.state import AppState
+from backend.openai.errors import (
+    SERVER_ERROR,
+    OpenAIError,
+    from_engine_error,
+    from_http_exception,
+    from_validation_error,
+)
+from engine.errors import EngineBusy
 
 # NOTE: bodies up to this size are checked for nesting on the loop (microseconds); larger ones in a thread.
 _INLINE_CHECK_BYTES = 64 * 1024
@@ -143,10 +157,40 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+class AdmissionGuard:
+    """Counts ``POST /v1/chat/completions`` requests while they run; one past the engine's capacity is a 503 ``busy``
+    with ``Retry-After`` before anything else is done for it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state: AppState | None = getattr(scope["app"].state, "kvchat", None) if scope["type"] == "http" else None
+        if state is None or scope["method"] != "POST" or scope["path"] != COMPLETIONS_PATH:
+            await self.app(scope, receive, send)
+            return
+        config = state.engine.config
+        if not state.admission.try_enter(config.max_num_seqs + config.max_waiting):
+            await _discard(receive, _DRAIN_FACTOR * MAX_REFUSED_BODY_BYTES)
+            busy = EngineBusy(f"{state.admission.admitted} requests are already in flight", RETRY_AFTER_S)
+            await from_engine_error(busy).response()(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.admission.leave()
+
+
+COMPLETIONS_PATH = "/v1/chat/completions"
+MAX_REFUSED_BODY_BYTES = 1024 * 1024  # a refused request's body is read and dropped up to 16x this
+
+
 def install(app: FastAPI, max_request_bytes: int) -> None:
-    """Add the body guard and the exception handlers that give every error its stable shape, and document those
-    errors in the OpenAPI schema as they are sent (clients generated from it, and schemathesis, rely on that)."""
+    """Add the body guard, the admission guard outside it, and the exception handlers that give every error its
+    stable shape, and document those errors in the OpenAPI schema as they are sent (clients generated from it, and
+    schemathesis, rely on that)."""
     app.add_middleware(BodyGuard, max_bytes=max_request_bytes)
+    app.add_middleware(AdmissionGuard)
     _document_errors(app)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_exception_handler(RequestValidationError, _validation_error)

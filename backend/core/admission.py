@@ -1,11 +1,11 @@
-"""Admission of ``/v1`` requests: how many are in the backend or the engine, refused in memory past the engine's
+"""Admission of ``/v1`` completions: how many are running in this process, refused in memory past the engine's
 capacity.
 
-A request is counted from before it is tokenized until its last event, so a burst beyond what the engine can queue
-(``max_num_seqs`` running + ``max_waiting``) is refused with a 503 at once, without waiting for its turn on the CPU
-workers to be tokenized first (400 streams at once: the last refusal took 3.5 s before). The engine's own check stays:
-chat turns share the engine and are not counted here, so with the engine full of them a ``/v1`` request is still
-refused by the engine, after tokenizing.
+``AdmissionGuard`` (``backend/api/boundary.py``) counts a request from its first byte to its last, so a burst beyond
+what the engine can queue (``max_num_seqs`` running + ``max_waiting``) is refused with a 503 at once, before it is
+parsed, authenticated or tokenized (400 streams at once: the last refusal took 3.5 s before). The engine's own check
+stays: chat turns share the engine and are not counted here, so with the engine full of them a ``/v1`` request is
+still refused by the engine, after tokenizing.
 """
 
 from __future__ import annotations

@@ -24,13 +24,12 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from backend.context.stateless import segment_messages
-from backend.core.admission import RETRY_AFTER_S, Admission
 from backend.core.metrics import Metrics, ReplyTimer
 from backend.core.offload import run_cpu
 from backend.openai import schemas as s
 from backend.openai.errors import OpenAIError, from_engine_error, too_long_before_tokenizing, unsupported
 from backend.openai.prompt_guard import counted_floor
-from engine.errors import EngineBusy, EngineError, PromptTooLongError
+from engine.errors import EngineError, PromptTooLongError
 from engine.llm_engine import EngineInfo, LLMEngine
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, TokenDelta
 from engine.prompt import TokenizedPrompt
@@ -126,20 +125,13 @@ def sampling_params(req: s.ChatCompletionRequest, prompt_tokens: int, info: Engi
     )
 
 
-def _noop() -> None:
-    pass
-
-
 class _Pending:
     """One submitted request; the engine's step thread feeds its events into an asyncio queue."""
 
-    def __init__(
-        self, engine: LLMEngine, request_id: str, timer: ReplyTimer | None = None, release: Callable[[], None] = _noop
-    ) -> None:
+    def __init__(self, engine: LLMEngine, request_id: str, timer: ReplyTimer | None = None) -> None:
         self._engine = engine
         self.request_id = request_id
         self._timer = timer
-        self._release: Callable[[], None] | None = release
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[GenerationEvent | EngineError] = asyncio.Queue()
         self.finished: RequestFinished | None = None
@@ -164,13 +156,9 @@ class _Pending:
         return event
 
     def abort(self) -> None:
-        """Free the request's blocks unless it already finished, and its admission (idempotent, safe from any
-        ``finally``)."""
+        """Free the request's blocks unless it already finished (idempotent, safe from any ``finally``)."""
         if self.finished is None:
             self._engine.abort(self.request_id)
-        if self._release is not None:
-            self._release()
-            self._release = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,11 +179,9 @@ class ChatCompletions:
         metrics: Metrics | None = None,
         keepalive_s: float = KEEPALIVE_S,
         disconnect_poll_s: float = DISCONNECT_POLL_S,
-        admission: Admission | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.admission = admission or Admission()
         self.keepalive_s = keepalive_s
         self.disconnect_poll_s = disconnect_poll_s
 
@@ -207,20 +193,6 @@ class ChatCompletions:
         floor, limit = self.engine.prompt_token_floor(m["content"] for m in messages), self.engine.prompt_limit
         if floor >= limit:
             raise too_long_before_tokenizing(floor, limit)
-        config = self.engine.config
-        if not self.admission.try_enter(config.max_num_seqs + config.max_waiting):
-            # NOTE: before tokenizing: a burst past the engine's capacity is refused now, not after its turn on the
-            # CPU workers (backend/core/admission.py).
-            raise EngineBusy(f"{self.admission.admitted} requests are already in flight", RETRY_AFTER_S)
-        try:
-            return await self._submit(req, tenant_id, namespace, messages)
-        except BaseException:
-            self.admission.leave()
-            raise
-
-    async def _submit(
-        self, req: s.ChatCompletionRequest, tenant_id: str, namespace: str, messages: list[dict[str, str]]
-    ) -> tuple[_Pending, _Meta]:
         # NOTE: off the event loop, in the tenant's turn on the backend's CPU workers: a long prompt takes
         # milliseconds to render and encode, and the loop serves every socket and probe of the process meanwhile.
         prompt = await run_cpu(tenant_id, self._tokenize, messages)
@@ -233,7 +205,7 @@ class ChatCompletions:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
         timer = self.metrics.reply_timer(tenant_id) if self.metrics else None
-        pending = _Pending(self.engine, meta.id, timer, release=self.admission.leave)
+        pending = _Pending(self.engine, meta.id, timer)
         self.engine.submit(prompt, params, namespace, pending.sink, request_id=meta.id)
         return pending, meta
 

@@ -52,7 +52,7 @@ async def get_model(model_id: str, _: ChatTenantDep, state: StateDep) -> ModelCa
 async def chat_completions(
     body: ChatCompletionRequest, tenant: ChatTenantDep, state: StateDep, request: Request
 ) -> ChatCompletion | StreamingResponse:
-    completions = service.ChatCompletions(state.engine, state.metrics, admission=state.admission)
+    completions = service.ChatCompletions(state.engine, state.metrics)
     pending, meta = await completions.start(body, tenant.id, state.namespaces.of(tenant.id, tenant.cache_scope))
     if body.stream:
         return completions.stream(pending, meta)
