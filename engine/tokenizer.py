@@ -33,7 +33,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "ipython")  # ipython: a tool result in Llama 3.1+ templates
 
 # NOTE: used only when the tokenizer ships no chat template. Plain ChatML (what SmolLM2/Qwen use):
 #   <|im_start|>{role}\n{content}<|im_end|>\n ... and, for a generation prompt, <|im_start|>assistant\n
@@ -77,6 +77,12 @@ class Tokenizer:
         is never shorter than the text it decodes to), so ``len(text) / max_token_chars`` bounds a text's token
         count from below without tokenizing it."""
         return max((len(piece) for piece in self.hf.get_vocab()), default=1)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's own chat template (None when it ships none: ``FALLBACK_CHAT_TEMPLATE`` renders instead)."""
+        template = self.hf.chat_template
+        return template if isinstance(template, str) else None
 
     @property
     def vocab_size(self) -> int:
