@@ -100,11 +100,12 @@ def mask_ids(row: torch.Tensor, ids: Sequence[int]) -> bool:
     whether the mask was applied."""
     vocab = row.shape[0]
     index = torch.tensor([t for t in ids if t < vocab], dtype=torch.long, device=row.device)
-    masked = row.index_fill(0, index, float("-inf"))
-    if not bool(torch.isfinite(masked).any()):
-        return False
-    row.copy_(masked)
-    return True
+    saved = row[index]
+    row[index] = float("-inf")
+    if bool(torch.isfinite(row.max())):
+        return True
+    row[index] = saved  # NOTE: nothing would be left to sample: the row stays as it was
+    return False
 
 
 def scale_by_temperature(row: torch.Tensor, temperature: float) -> torch.Tensor:
