@@ -64,13 +64,17 @@ class ToolSpec:
         return {"type": "function", "function": function}
 
 
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     """A call the model made: ``arguments`` is the JSON text of an object (OpenAI's shape)."""
 
     name: str
     arguments: str
-    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+    id: str = field(default_factory=lambda: new_call_id())
 
     @property
     def parsed_arguments(self) -> dict[str, Any]:
