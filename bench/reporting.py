@@ -152,8 +152,12 @@ def machine_info(dtype: str | None = None, threads: int | None = None) -> dict[s
     commit = _git("rev-parse", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    from engine.device import cpu_description, cpu_kind
+
     return {
         "cpu": cpu_model(),
+        "cpu_kind": cpu_kind(),
+        "cpu_description": cpu_description(),
         "cpu_count": os.cpu_count(),
         "torch_threads": threads if threads is not None else torch.get_num_threads(),
         "torch": torch.__version__,

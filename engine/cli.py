@@ -82,12 +82,13 @@ def doctor_command(args: argparse.Namespace) -> int:
 
     import torch
 
-    from engine.device import cpu_flags
+    from engine.device import cpu_flags, cpu_kind
     from engine.model import build, kernels
 
     build.use_cache_dir(args.cache_dir)
     flags = cpu_flags()
     shown = sorted(f for f in flags if f.startswith(("amx", "avx512f", "avx512_bf16", "avx2", "fma")))
+    print(f"cpu kind: {cpu_kind(flags)} (the kernel table's rows below are this kind's)")
     print(f"cpu: {_cpu_model()} ({platform.machine()}), flags: {' '.join(shown) or 'none of interest'}")
     print(f"torch {torch.__version__}, CUDA {'available' if torch.cuda.is_available() else 'not available'}")
     print(f"compiler: {build.compiler() or 'none (torch paths only)'}, kernel cache: {build.cache_dir() / 'kernels'}")

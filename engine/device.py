@@ -37,6 +37,36 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
+# The CPU kinds the kernel table tells apart, most capable first: (label, the flags that make it).
+_CPU_KINDS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("AMX", frozenset({"amx_bf16", "amx_tile", "avx512_bf16"})),
+    ("AVX-512 + AVX512-BF16", frozenset({"avx512f", "avx512_bf16"})),
+    ("AVX-512", frozenset({"avx512f"})),
+    ("AVX2 + FMA", frozenset({"avx2", "fma"})),
+)
+
+
+def cpu_kind(flags: frozenset[str] | None = None) -> str:
+    """The kind of CPU as the kernel table sees it ("AMX", "AVX-512 + AVX512-BF16", "AVX-512", "AVX2 + FMA" or
+    "no vector kernels"): every benchmark figure names it, since the same code runs other kernels on another kind."""
+    flags = cpu_flags() if flags is None else flags
+    return next((label for label, needs in _CPU_KINDS if needs <= flags), "no vector kernels")
+
+
+def cpu_description(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """``kind: model name (family F, model M)``, e.g. ``AVX-512 + AVX512-BF16: AMD EPYC (family 26, model 2)``."""
+    try:
+        lines = Path(cpuinfo).read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    fields: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    family = f" (family {fields['cpu family']}, model {fields.get('model', '?')})" if "cpu family" in fields else ""
+    return f"{cpu_kind(cpu_flags(cpuinfo))}: {fields.get('model name', 'unknown CPU')}{family}"
+
+
 def cpu_supports_bf16() -> bool:
     return bool(cpu_flags() & _BF16_CPU_FLAGS)
 

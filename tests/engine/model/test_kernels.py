@@ -74,6 +74,9 @@ def test_doctor_prints_the_resolved_table(capsys: pytest.CaptureFixture[str]) ->
     for op in Op:
         assert op.value in out
     assert "cpu:" in out and "library cpu_kernels" in out
+    from engine.device import cpu_kind
+
+    assert f"cpu kind: {cpu_kind()} " in out
 
 
 def test_this_machine_says_which_kernel_paths_it_exercised() -> None:
