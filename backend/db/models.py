@@ -269,3 +269,44 @@ class AdminAudit(Base):
     result: Mapped[str] = mapped_column(String(64))  # "ok", or the error's stable code
     detail: Mapped[str | None] = mapped_column(String(500), nullable=True)  # what it did, when a route says
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TenantReplySettings(Base):
+    """A tenant's reply settings (``backend/services/reply_settings.py``); no row means the server's defaults."""
+
+    __tablename__ = "tenant_reply_settings"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    temperature: Mapped[float] = mapped_column(Float)
+    top_p: Mapped[float] = mapped_column(Float)
+    top_k: Mapped[int] = mapped_column(Integer)
+    min_p: Mapped[float] = mapped_column(Float)
+    repetition_penalty: Mapped[float] = mapped_column(Float)
+    presence_penalty: Mapped[float] = mapped_column(Float)
+    frequency_penalty: Mapped[float] = mapped_column(Float)
+    stop: Mapped[str] = mapped_column(Text, default="[]")  # a JSON list of stop strings
+    tool_choice: Mapped[str] = mapped_column(String(16), default="auto")  # auto | required | none
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+
+
+class TenantTool(Base):
+    """An HTTP endpoint the bot may call during a turn (``backend/services/tenant_tools.py``).
+
+    ``secret_value`` is sent in the ``secret_header`` of every call; the admin API never shows it again.
+    """
+
+    __tablename__ = "tenant_tools"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_tenant_tools_tenant_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    description: Mapped[str] = mapped_column(Text, default="")
+    parameters: Mapped[str] = mapped_column(Text)  # the JSON schema of the arguments, as JSON text
+    url: Mapped[str] = mapped_column(String(2000))
+    secret_header: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    secret_value: Mapped[str | None] = mapped_column(String(1000), nullable=True)
+    timeout_s: Mapped[float] = mapped_column(Float, default=5.0)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)

@@ -1,5 +1,5 @@
-"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002, 0004, 0005 and 0006 up
-and down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change, write a
+"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002 and 0004-0008 up and
+down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change, write a
 migration)."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from backend.db.models import Base
 TABLES_0001 = {"tenants", "api_keys", "chat_sessions", "messages"}
 TABLES_0002 = {"splitter_rules", "semantic_blocks", "topic_history", "invalidation_events", "tenant_context_settings"}
 TABLES_0004 = {"admin_audit"}
-EXPECTED_TABLES = TABLES_0001 | TABLES_0002 | TABLES_0004
+TABLES_0008 = {"tenant_reply_settings", "tenant_tools"}
+EXPECTED_TABLES = TABLES_0001 | TABLES_0002 | TABLES_0004 | TABLES_0008
 SESSION_COLUMNS_0002 = {"semantic_temperature", "topic_epoch"}
 
 
@@ -114,7 +115,7 @@ def _admin_audit_up_and_down(url: str) -> None:
         )
     )
     migrate.upgrade(url, "0004")
-    assert asyncio.run(_tables(url)) == EXPECTED_TABLES
+    assert asyncio.run(_tables(url)) == TABLES_0001 | TABLES_0002 | TABLES_0004
     asyncio.run(
         _execute(
             url,
@@ -129,7 +130,7 @@ def _admin_audit_up_and_down(url: str) -> None:
     assert asyncio.run(_tables(url)) == TABLES_0001 | TABLES_0002
     assert asyncio.run(_execute(url, "SELECT id FROM tenants")) == [("t1",)]
     migrate.upgrade(url, "0004")
-    assert asyncio.run(_tables(url)) == EXPECTED_TABLES
+    assert asyncio.run(_tables(url)) == TABLES_0001 | TABLES_0002 | TABLES_0004
     assert asyncio.run(_execute(url, "SELECT count(*) FROM admin_audit")) == [(0,)]
 
 
@@ -224,6 +225,29 @@ def _dialogue_act_rules_up_and_down(url: str) -> None:
     assert asyncio.run(_execute(url, own)) == [("agent", "context")]
 
 
+def _reply_settings_and_tools_up_and_down(url: str) -> None:
+    """0007 → 0008 adds the two tables; a tenant's settings and tools are stored; back to 0007 both tables go (and a
+    tenant deleted at 0008 takes its rows with it)."""
+    migrate.upgrade(url, "0007")
+    migrate.upgrade(url, "0008")
+    assert asyncio.run(_tables(url)) >= TABLES_0008
+    for sql in (
+        "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', '', '2026-01-01')",
+        "INSERT INTO tenant_reply_settings (tenant_id, temperature, top_p, top_k, min_p, repetition_penalty,"
+        " presence_penalty, frequency_penalty, stop, tool_choice, updated_at)"
+        " VALUES ('t1', 0.7, 0.9, 0, 0.0, 1.1, 0.0, 0.0, '[\"END\"]', 'auto', '2026-01-01')",
+        "INSERT INTO tenant_tools (tenant_id, name, description, parameters, url, secret_header, secret_value,"
+        " timeout_s, enabled, created_at, updated_at) VALUES ('t1', 'lookup', '', '{}', 'http://x', 'X-Key', 's',"
+        " 5.0, true, '2026-01-01', '2026-01-01')",
+    ):
+        asyncio.run(_execute(url, sql))
+    assert asyncio.run(_execute(url, "SELECT name, url FROM tenant_tools")) == [("lookup", "http://x")]
+    migrate.downgrade(url, "0007")
+    assert asyncio.run(_tables(url)) & TABLES_0008 == set()
+    migrate.upgrade(url, "0008")
+    assert asyncio.run(_execute(url, "SELECT count(*) FROM tenant_tools")) == [(0,)]
+
+
 @pytest.mark.postgres
 def test_postgres_upgrade_to_head_and_back(pg_empty_url: str) -> None:
     _roundtrip(pg_empty_url)
@@ -276,3 +300,12 @@ def test_postgres_dialogue_act_rules_revision_up_and_down(pg_empty_url: str) -> 
 
 def test_sqlite_dialogue_act_rules_revision_up_and_down(tmp_path: Path) -> None:
     _dialogue_act_rules_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+
+
+@pytest.mark.postgres
+def test_postgres_reply_settings_and_tools_revision_up_and_down(pg_empty_url: str) -> None:
+    _reply_settings_and_tools_up_and_down(pg_empty_url)
+
+
+def test_sqlite_reply_settings_and_tools_revision_up_and_down(tmp_path: Path) -> None:
+    _reply_settings_and_tools_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
