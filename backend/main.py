@@ -21,10 +21,12 @@ from backend.api import boundary, docs
 from backend.api.routes import (
     admin_audit,
     admin_cache,
+    admin_reply,
     admin_rules,
     admin_sessions,
     admin_stats,
     admin_tenant,
+    admin_tools,
     chat_ws,
     health,
     openai_api,
@@ -93,6 +95,8 @@ def create_app(
     app.include_router(metrics_route.router)
     app.include_router(admin_stats.router)
     app.include_router(admin_tenant.router)
+    app.include_router(admin_reply.router)
+    app.include_router(admin_tools.router)
     app.include_router(admin_rules.router)
     app.include_router(admin_audit.router)
     app.include_router(admin_cache.router)

@@ -62,6 +62,13 @@ class Settings(BaseSettings):
     reply_max_tokens: int = Field(default=256, ge=1)
     reply_temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     reply_top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    reply_top_k: int = Field(default=0, ge=0)
+    reply_min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    reply_repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    reply_presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    reply_frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # Tenants' tools: may the bot call endpoints on loopback/private addresses (the server's own network)?
+    tools_allow_private_networks: bool = False
     # Chat sessions and websocket limits
     session_timeout_seconds: int = Field(default=3600, ge=1)
     # On SIGTERM: replies in flight get this long to finish (still streaming); what is cut off is stored incomplete.

@@ -15,7 +15,11 @@
     ├── RuleExistsError            rule_exists        409    —
     ├── InvalidCacheSettingsError  invalid_cache_settings 422 —  (the engine or the tenant's scope refused a value)
     ├── PinRefusedError            pin_refused        409    —  (the prefix is over the operator's pinned share)
-    └── NamespaceSharedError       namespace_shared   409    —  (a whole-namespace action on the public namespace)
+    ├── NamespaceSharedError       namespace_shared   409    —  (a whole-namespace action on the public namespace)
+    ├── InvalidReplySettingsError  invalid_reply_settings 422 —  (a sampling value the engine refuses)
+    ├── ToolNotFoundError          tool_not_found     404    —
+    ├── ToolExistsError            tool_exists        409    —
+    └── InvalidToolError           invalid_tool       422    —  (a tool's schema, URL or header cannot be used)
 
 Context-layer errors (``backend.context.errors``: ``invalid_rule``, ``invalid_settings``, ``unknown_backend``: 422;
 ``backend_unavailable``: 503) are mapped by the HTTP boundary too, with their own codes.
@@ -141,6 +145,26 @@ class PinRefusedError(BackendError):
 class NamespaceSharedError(BackendError):
     code = "namespace_shared"
     status = 409
+
+
+class InvalidReplySettingsError(BackendError):
+    code = "invalid_reply_settings"
+    status = 422
+
+
+class ToolNotFoundError(BackendError):
+    code = "tool_not_found"
+    status = 404
+
+
+class ToolExistsError(BackendError):
+    code = "tool_exists"
+    status = 409
+
+
+class InvalidToolError(BackendError):
+    code = "invalid_tool"
+    status = 422
 
 
 def engine_error_code(exc: EngineError) -> str:
