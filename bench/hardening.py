@@ -11,7 +11,7 @@ Four measurements, each against its control in the same run:
 - **fairness**: tenant B's turn alone, beside tenant A's 10,000-character message of a's (the control: what such a
   message costs anyway, mostly its prefill in the engine), and beside the same message when A's rule is ``(a+)+$``:
   B's ack, first delta and completion, and A's.
-- **livez**: ``/livez`` sampled every 10 ms, idle (control) and while four threads send ~0.6 MB bracket prompts to
+- **livez**: ``/livez`` sampled every 10 ms, idle (control) and while four threads send 0.4 MB bracket prompts to
   ``/v1`` (tokenized: their length alone does not prove them too long).
 
 The model is a tiny random one built here (its context raised to 32k so the 10,000-character message fits), so the
@@ -433,7 +433,7 @@ def livez_latencies(http_url: str, samples: int, interval_s: float = 0.01) -> La
 
 @contextmanager
 def bracket_load(http_url: str, threads: int = 4) -> Iterator[dict[str, int]]:
-    """``threads`` threads sending ~0.6 MB bracket prompts to ``/v1`` until the block ends; yields their statuses."""
+    """``threads`` threads sending 0.4 MB bracket prompts to ``/v1`` until the block ends; yields their statuses."""
     stop = threading.Event()
     statuses: dict[str, int] = {}
     lock = threading.Lock()
@@ -535,7 +535,7 @@ def table(report: dict[str, Any]) -> str:
             for key, label in (("plain", "no rule"), ("redos", "ReDoS rule"))
         ),
         _row("/livez idle (control)", lz["idle"]),
-        _row("/livez, 4 x 0.6 MB brackets", lz["brackets"], lz["idle"]),
+        _row("/livez, 4 x 0.4 MB brackets", lz["brackets"], lz["idle"]),
         f"server RSS MiB: start {rss['start']:.1f}, after the burst {rss['peak']:.1f}, 3 s later {rss['end']:.1f}"
         f" (+{rss['end'] - rss['start']:.1f}); A's outcomes {f['plain']['outcomes']} / {f['redos']['outcomes']};"
         f" bracket answers {lz['bracket_statuses']}; tracebacks in the server log: {report['server_log_tracebacks']}",

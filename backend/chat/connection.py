@@ -110,15 +110,15 @@ class ChatConnection:
         watching = 0
         try:
             hello = await self._read_hello()
-            self._refuse_early(hello)
+            client = self._reserve_early(hello)
             owner = await self._authenticate(hello)
             watching = self.service.hub.keys.watch(owner.key_id, self.key_revoked.set)
             self.tenant = owner.tenant
-            client = ConnectionKey(self.tenant.id, hello.external_ref or self._client_address())
-            refusal = self.service.hub.try_connect(client, *self._caps())
-            if refusal is not None:
-                client = None
-                raise _Closed(CloseCode.TRY_AGAIN_LATER, refusal)
+            if client is None or client.tenant_id != owner.tenant.id:  # (not known, or the key changed hands)
+                if client is not None:
+                    self.service.hub.disconnect(client)
+                    client = None
+                client = self._connect(ConnectionKey(owner.tenant.id, self._client_ref(hello)))
             try:
                 welcome = await self.service.open(self.tenant, hello)
             except SessionNotFoundError as exc:
@@ -201,18 +201,25 @@ class ChatConnection:
             raise _Closed(CloseCode.UNAUTHORIZED, "the first frame must be hello")
         return frame
 
-    def _refuse_early(self, hello: Hello) -> None:
-        """Close with 1013 before any database work when a cap is already reached for the tenant that this token
-        belonged to a moment ago (a burst of hellos is refused from memory; admission still asks the database)."""
+    def _reserve_early(self, hello: Hello) -> ConnectionKey | None:
+        """Count this socket against the caps of the tenant its token belonged to a moment ago, before any database
+        work: over a cap, close it with 1013 now (a burst of hellos is refused from memory). The database still
+        decides the admission; None when the token is not known."""
         known = self.service.keys.recent(hello.token, KeyKind.CHAT)
-        if known is not None:
-            client = ConnectionKey(known.tenant_id, hello.external_ref or self._client_address())
-            refusal = self.service.hub.refusal(client, *self._caps())
-            if refusal is not None:
-                raise _Closed(CloseCode.TRY_AGAIN_LATER, refusal)
+        if known is None:
+            return None
+        return self._connect(ConnectionKey(known.tenant_id, self._client_ref(hello)))
 
-    def _caps(self) -> tuple[int, int]:
-        return self.limits.max_connections_per_tenant, self.limits.max_connections_per_client
+    def _connect(self, client: ConnectionKey) -> ConnectionKey:
+        refusal = self.service.hub.try_connect(
+            client, self.limits.max_connections_per_tenant, self.limits.max_connections_per_client
+        )
+        if refusal is not None:
+            raise _Closed(CloseCode.TRY_AGAIN_LATER, refusal)
+        return client
+
+    def _client_ref(self, hello: Hello) -> str:
+        return hello.external_ref or self._client_address()
 
     async def _authenticate(self, hello: Hello) -> KeyOwner:
         owner = await self.service.keys.owner(hello.token, KeyKind.CHAT)
