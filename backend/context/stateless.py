@@ -18,6 +18,8 @@ from backend.context.splitter import Splitter, word_count
 from backend.db.models import MessageRole
 from engine.prompt import SegmentedPrompt
 
+_ROLES = {r.value for r in MessageRole}
+
 
 @cache
 def _default_splitter() -> Splitter:
@@ -34,6 +36,8 @@ def segment_messages(messages: Sequence[dict[str, str]]) -> SegmentedPrompt:
     for seq, m in enumerate(messages, start=1):
         blocks = splitter.split(m["content"], seq=seq, epoch=0, history=history) if m["content"] else []
         history += blocks
-        message = HistoryMessage(seq, MessageRole(m["role"]), m["content"], 0, tuple(blocks))
+        # NOTE: a role the store has no name for (Llama 3's ipython: a tool's result) is split like a user message.
+        role = MessageRole(m["role"]) if m["role"] in _ROLES else MessageRole.USER
+        message = HistoryMessage(seq, role, m["content"], 0, tuple(blocks))
         parts.append((m["role"], message_segments(message, {})))
     return SegmentedPrompt.of(*parts)

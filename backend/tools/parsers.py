@@ -13,7 +13,7 @@ from typing import Any
 
 from backend.tools.types import ParsedReply, ToolCall, ToolFamily
 
-HERMES_OPEN = "<tool_call>"
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
 
 
@@ -45,11 +45,19 @@ def _parse_hermes(text: str) -> ParsedReply:
         return ParsedReply(text)
     calls = []
     for match in _HERMES_CALL.finditer(text, start):
-        call = _call(match.group(1), "arguments")
+        call = _call(_without_partial_close(match.group(1)), "arguments")
         if call is None:
             return ParsedReply(text)
         calls.append(call)
     return ParsedReply(text[:start].strip() or None, tuple(calls))
+
+
+def _without_partial_close(raw: str) -> str:
+    """A call cut off inside its closing tag (``max_tokens``): the tag's beginning is not part of the JSON."""
+    for size in range(len(HERMES_CLOSE) - 1, 0, -1):
+        if raw.endswith(HERMES_CLOSE[:size]):
+            return raw[:-size].rstrip()
+    return raw
 
 
 def _parse_llama3(text: str) -> ParsedReply:

@@ -29,8 +29,9 @@ def test_hermes_calls_after_text_are_split_from_it() -> None:
     assert all(c.id.startswith("call_") for c in reply.tool_calls)
 
 
-def test_a_hermes_call_cut_off_before_its_closing_tag_still_parses() -> None:
-    reply = parse('<tool_call>\n{"name": "lookup", "arguments": {}}', HERMES)
+@pytest.mark.parametrize("end", ["", "\n", "\n</tool_ca"])
+def test_a_hermes_call_cut_off_before_or_in_its_closing_tag_still_parses(end: str) -> None:
+    reply = parse('<tool_call>\n{"name": "lookup", "arguments": {}}' + end, HERMES)
     assert (reply.content, calls(reply)) == (None, [("lookup", {})])
 
 
