@@ -169,9 +169,7 @@ def training_rows(
     return rows, labels
 
 
-def train(
-    tuning: list[Pair], name: str, embedder: Embedder, ident: Identify
-) -> tuple[ShiftModel, dict[str, Any]]:
+def train(tuning: list[Pair], name: str, embedder: Embedder, ident: Identify) -> tuple[ShiftModel, dict[str, Any]]:
     """Fit the classifier ``name`` on the tuning pairs and choose its threshold by 2-fold cross-fitting."""
     settings = TUNED_SETTINGS.get(name, TopicSettings(backend=name))
     folds = (tuning[: len(tuning) // 2], tuning[len(tuning) // 2 :])
