@@ -15,6 +15,7 @@ import json
 from collections.abc import Sequence
 
 from backend.tools.types import ChatTurn, ToolCall, ToolError, ToolFamily, ToolSpec
+from engine.prompt import Segment, SegmentedMessage, SegmentedPrompt
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 _HERMES_HEAD = (
@@ -34,6 +35,8 @@ _LLAMA3_HEAD = (
 )
 
 Message = dict[str, str]
+TOOLS = "tools"  # the block type of the tool list (the engine's stats by block type show it apart)
+TOOL_CALL = "tool_call"  # of an assistant's calls, and of the results the model reads
 
 
 def render(turns: Sequence[ChatTurn], tools: Sequence[ToolSpec], family: ToolFamily) -> list[Message]:
@@ -110,3 +113,37 @@ def _arguments(call: ToolCall) -> object:
 def _dumps(value: object) -> str:
     # NOTE: what the templates' ``tojson`` writes (transformers: ensure_ascii off, default separators).
     return json.dumps(value, ensure_ascii=False)
+
+
+def offer(prompt: SegmentedPrompt, tools: Sequence[ToolSpec], family: ToolFamily) -> SegmentedPrompt:
+    """``prompt`` (the chat's own, in segments) with ``tools`` offered where ``render`` puts them: after the system
+    message (Hermes) or before the first user message (Llama 3), as one more segment."""
+    if not tools:
+        return prompt
+    messages = list(prompt.messages)
+    if family is ToolFamily.LLAMA3_JSON:
+        listed = "".join(json.dumps(t.as_openai(), indent=4, ensure_ascii=False) + "\n\n" for t in tools)
+        at = next((i for i, m in enumerate(messages) if m.role == "user"), None)
+        if at is None:
+            raise ToolError("messages", "tools need a user message to be offered in (Llama 3 puts them there)")
+        head = Segment(_LLAMA3_HEAD + listed, TOOLS)
+        messages[at] = SegmentedMessage("user", (head, *messages[at].segments))
+    else:
+        listed = "".join("\n" + _dumps(t.as_openai()) for t in tools)
+        tail = Segment(_HERMES_HEAD + listed + _HERMES_TAIL, TOOLS)
+        if messages and messages[0].role == "system":
+            messages[0] = SegmentedMessage("system", (*messages[0].segments, tail))
+        else:
+            messages.insert(0, SegmentedMessage("system", (Segment(DEFAULT_SYSTEM, TOOLS), tail)))
+    return SegmentedPrompt(tuple(messages), prompt.add_generation_prompt)
+
+
+def answered(
+    prompt: SegmentedPrompt, text: str, calls: Sequence[ToolCall], results: Sequence[str], family: ToolFamily
+) -> SegmentedPrompt:
+    """``prompt`` followed by the assistant's reply so far (its ``text`` and ``calls``) and the calls' ``results``,
+    as ``render`` writes them, ready for the model to go on."""
+    turns = [ChatTurn("assistant", text, tuple(calls)), *(ChatTurn("tool", r) for r in results)]
+    written = render(turns, (), family)
+    added = tuple(SegmentedMessage(m["role"], (Segment(m["content"], TOOL_CALL),)) for m in written)
+    return SegmentedPrompt((*prompt.messages, *added), prompt.add_generation_prompt)

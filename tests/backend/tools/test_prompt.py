@@ -139,3 +139,23 @@ def test_a_call_whose_arguments_are_not_an_object_is_refused() -> None:
 def test_a_bad_tool_definition_is_refused_by_name(name: str, parameters: dict[str, Any], message: str) -> None:
     with pytest.raises(ToolError, match=message):
         ToolSpec(name, "", parameters)
+
+
+@pytest.mark.parametrize("family", [ToolFamily.HERMES, ToolFamily.LLAMA3_JSON])
+def test_segments_with_tools_and_results_render_as_the_plain_messages(family: ToolFamily) -> None:
+    from backend.tools.prompt import answered, offer
+    from engine.prompt import Segment, SegmentedPrompt
+
+    base = SegmentedPrompt.of(
+        ("system", [Segment("You are the store's ", "system_prompt"), Segment("assistant.", "policy_text")]),
+        ("user", [Segment("Where is order A1234?", "question")]),
+    )
+    prompt = answered(offer(base, [LOOKUP], family), "", [CALL_1], ['{"status": "lost"}'], family)
+    turns = [
+        ChatTurn("system", "You are the store's assistant."),
+        ChatTurn("user", "Where is order A1234?"),
+        ChatTurn("assistant", "", (CALL_1,)),
+        ChatTurn("tool", '{"status": "lost"}'),
+    ]
+    assert prompt.as_messages() == render(turns, [LOOKUP], family)
+    assert prompt.add_generation_prompt
