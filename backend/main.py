@@ -32,8 +32,10 @@ from backend.api.routes import (
     openai_api,
 )
 from backend.api.routes import metrics as metrics_route
+from backend.api.state import AppState
 from backend.chat.hub import SessionHub
 from backend.chat.service import ChatService, ReplyConfig
+from backend.core.admission import Admission
 from backend.core.config import Settings
 from backend.core.errors import one_line_reason
 from backend.core.heap import long_lived_heap_frozen
@@ -41,9 +43,9 @@ from backend.core.logs import RequestIdMiddleware
 from backend.core.metrics import Metrics, instrument_database
 from backend.core.namespaces import Namespaces, load_secret
 from backend.core.startup import STARTUP_ERRORS, Phase, Startup
-from backend.core.state import AppState
 from backend.db import migrate
 from backend.db.engine import create_db_engine, create_sessionmaker, peer_workers, worker_name
+from backend.openai.service import ChatCompletions, served_model_id
 from backend.services import cache_admin
 from backend.services.context_service import ContextService
 from backend.services.revocation import RevocationFeed
@@ -183,7 +185,17 @@ async def _start_phases(
     sweeper = asyncio.create_task(_sweep_idle_sessions(chat, settings.session_timeout_seconds))
     owned.push_async_callback(_cancel, sweeper)
     owned.enter_context(long_lived_heap_frozen())  # (full GC passes would otherwise stall every request: core/heap.py)
-    app.state.kvchat = AppState(settings, db_engine, sessionmaker, llm, chat, metrics, namespaces)
+    app.state.kvchat = AppState(
+        settings=settings,
+        db_engine=db_engine,
+        sessionmaker=sessionmaker,
+        engine=llm,
+        chat=chat,
+        completions=ChatCompletions(llm, served_model_id(llm.config.model), metrics),
+        metrics=metrics,
+        namespaces=namespaces,
+        admission=Admission(llm.config.max_num_seqs + llm.config.max_waiting),
+    )
     base = f"http://{settings.host}:{settings.port}"
     startup.enter(
         Phase.READY,

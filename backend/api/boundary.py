@@ -38,11 +38,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from backend.api.state import AppState
 from backend.context.errors import ContextError
 from backend.core.admission import RETRY_AFTER_S
 from backend.core.errors import HTTP_STATUS_CODES, BackendError, StartingError, error_location, error_problem
 from backend.core.limits import MAX_JSON_DEPTH, json_too_deep
-from backend.core.state import AppState
+from backend.engine_client.values import EngineBusy
 from backend.openai.errors import (
     SERVER_ERROR,
     OpenAIError,
@@ -50,7 +51,6 @@ from backend.openai.errors import (
     from_http_exception,
     from_validation_error,
 )
-from engine.errors import EngineBusy
 
 # NOTE: bodies up to this size are checked for nesting on the loop (microseconds); larger ones in a thread.
 _INLINE_CHECK_BYTES = 64 * 1024
@@ -169,8 +169,7 @@ class AdmissionGuard:
         if state is None or scope["method"] != "POST" or scope["path"] != COMPLETIONS_PATH:
             await self.app(scope, receive, send)
             return
-        config = state.engine.config
-        if not state.admission.try_enter(config.max_num_seqs + config.max_waiting):
+        if not state.admission.try_enter():
             await _discard(receive, _DRAIN_FACTOR * MAX_REFUSED_BODY_BYTES)
             busy = EngineBusy(f"{state.admission.admitted} requests are already in flight", RETRY_AFTER_S)
             await from_engine_error(busy).response()(scope, receive, send)

@@ -15,10 +15,10 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from sqlalchemy.ext.asyncio import AsyncSession
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from backend.api.state import AppState
 from backend.core.config import Settings
 from backend.core.errors import HTTP_STATUS_CODES, StartingError
 from backend.core.security import display_prefix
-from backend.core.state import AppState
 from backend.db.models import KeyKind, Tenant
 from backend.services import audit
 from backend.services.tenants import authenticate

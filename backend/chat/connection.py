@@ -34,8 +34,8 @@ from backend.core import client_errors, logs
 from backend.core.errors import BackendError, SessionNotFoundError
 from backend.core.metrics import Metrics
 from backend.db.models import KeyKind, Tenant
+from backend.engine_client.values import EngineError
 from backend.services.tenants import KeyOwner
-from engine.errors import EngineError
 
 log = logging.getLogger("kvchat.ws")
 refusals = client_errors.RateLimitedLog(log)  # one line per kind of refused socket, at most every 10 s

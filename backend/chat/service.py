@@ -22,10 +22,9 @@ Turn semantics:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,14 +55,20 @@ from backend.core.errors import MessageTooLongError, SessionClosedError, Shuttin
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
 from backend.db.models import InvalidationReason, Message, MessageRole, MessageStatus, SessionStatus, Tenant
+from backend.engine_client.protocol import EngineClient
+from backend.engine_client.values import (
+    EngineBusy,
+    EngineError,
+    ErasureResult,
+    FinishReason,
+    RequestFinished,
+    SamplingParams,
+    TokenDelta,
+    TokenizedPrompt,
+)
 from backend.services import sessions as store
 from backend.services.context_service import SYSTEM_ACTOR, ContextService, PreparedPrompt
 from backend.services.key_lookup import KeyLookup
-from engine.errors import EngineBusy, EngineError
-from engine.llm_engine import ErasureResult, LLMEngine
-from engine.outputs import FinishReason, GenerationEvent, RequestFinished, TokenDelta
-from engine.prompt import SegmentedPrompt
-from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvchat.chat")
 T = TypeVar("T")
@@ -119,7 +124,7 @@ class ChatService:
     def __init__(
         self,
         sessionmaker: async_sessionmaker[AsyncSession],
-        engine: LLMEngine,
+        engine: EngineClient,
         hub: SessionHub,
         context: ContextService,
         reply: ReplyConfig | None = None,
@@ -321,10 +326,8 @@ class ChatService:
             raise MessageTooLongError(tokens, self._budget())
 
     def _budget(self) -> int:
-        """Prompt tokens a turn may use: the model context or the KV pool, whichever is smaller, minus the reply."""
-        info = self._engine.info
-        # NOTE: the engine refuses prompts larger than its KV pool too, not only beyond the model's context.
-        return min(info.max_model_len, info.num_blocks * info.block_size) - self.reply.max_tokens
+        """Prompt tokens a turn may use: the engine's limit (its context or its KV pool) minus the reply."""
+        return self._engine.prompt_limit - self.reply.max_tokens
 
     async def _after_customer_message(self, session_id: str, status: SessionStatus, text: str) -> SessionStatus:
         if status == SessionStatus.RESOLVED:
@@ -388,7 +391,7 @@ class ChatService:
         else:
             await self._store(turn, MessageStatus.COMPLETE, finished.finish_reason.value, finished)
 
-    async def _prompt(self, turn: Turn) -> SegmentedPrompt:
+    async def _prompt(self, turn: Turn) -> TokenizedPrompt:
         """The turn's prompt from the context builder (built and tokenized off the loop); frees what it dropped."""
         ctx = await self._with_db_retry(
             f"reading the context of {turn.session_id}",
@@ -399,7 +402,7 @@ class ChatService:
         turn.namespace = prepared.namespace
         turn.topic = Topic(epoch=prepared.epoch, temperature=prepared.temperature)
         await self._invalidate_dropped(turn, prepared)
-        return prepared.prompt
+        return prepared.tokenized
 
     async def _invalidate_dropped(self, turn: Turn, prepared: PreparedPrompt) -> None:
         try:
@@ -410,13 +413,15 @@ class ChatService:
         if freed is not None:
             log.info("session %s dropped an epoch: %d cached blocks freed", turn.session_id, freed.blocks_freed)
 
-    async def _generate(self, turn: Turn, prompt: SegmentedPrompt) -> RequestFinished | None:
+    async def _generate(self, turn: Turn, prompt: TokenizedPrompt) -> RequestFinished | None:
         params = SamplingParams(
             max_tokens=self.reply.max_tokens, temperature=self.reply.temperature, top_p=self.reply.top_p
         )
         finished: RequestFinished | None = None
         timer = self._metrics.reply_timer(turn.tenant_id) if self._metrics is not None else None
-        stream = self._events(turn, prompt, params)
+        # NOTE: no await between the caller's check of ``turn.cancelled`` and the first step of the stream, which
+        # registers the request (its prompt is tokenized: nothing to offload): an abort from then on finds it.
+        stream = self._engine.generate(prompt, params, turn.namespace, turn.request_id, turn.session_id)
         async with aclosing(stream):
             async for event in stream:
                 if timer is not None and isinstance(event, TokenDelta):
@@ -432,52 +437,6 @@ class ChatService:
                 elif isinstance(event, RequestFinished):
                     finished = event
         return finished
-
-    async def _events(
-        self, turn: Turn, prompt: SegmentedPrompt, params: SamplingParams
-    ) -> AsyncGenerator[GenerationEvent, None]:
-        """``LLMEngine.generate``, but the request is registered in a worker thread: registering tokenizes it.
-
-        Closing the iterator early aborts the request (once registered, if that is still under way).
-        """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[GenerationEvent | EngineError] = asyncio.Queue()
-
-        def sink(event: GenerationEvent | EngineError) -> None:
-            with contextlib.suppress(RuntimeError):  # (a closed loop: nobody is listening any more)
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-
-        def abort_once_registered(submitted: asyncio.Future[str]) -> None:
-            if not submitted.cancelled() and submitted.exception() is None:
-                self._engine.abort(turn.request_id)
-
-        submitting = asyncio.ensure_future(
-            run_cpu(
-                turn.tenant_id,
-                self._engine.submit,
-                prompt,
-                params,
-                turn.namespace,
-                sink,
-                turn.request_id,
-                turn.session_id,
-            )
-        )
-        done = False
-        try:
-            await asyncio.shield(submitting)
-            if turn.cancelled or turn.interrupted:  # NOTE: an abort sent while the thread registered it found nothing
-                self._engine.abort(turn.request_id)
-            while not done:
-                event = await queue.get()
-                if isinstance(event, EngineError):
-                    done = True
-                    raise event
-                done = isinstance(event, RequestFinished)
-                yield event
-        finally:
-            if not done:
-                submitting.add_done_callback(abort_once_registered)  # (scheduled at once when already done)
 
     async def _store(
         self, turn: Turn, status: MessageStatus, finish_reason: str, finished: RequestFinished | None

@@ -31,7 +31,7 @@ from enum import StrEnum
 
 from backend.context.blocks import Block, BlockKey, BlockType
 from backend.db.models import HistoryPolicy, MessageRole
-from engine.prompt import Segment, SegmentedPrompt
+from backend.engine_client.values import Segment, SegmentedPrompt
 
 CountTokens = Callable[[SegmentedPrompt], int]
 

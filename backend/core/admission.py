@@ -17,13 +17,15 @@ RETRY_AFTER_S = 1.0  # the engine's own hint when its queue is full (engine.sche
 
 @dataclass(slots=True)
 class Admission:
-    """Requests admitted and not finished. Used on the event loop only."""
+    """Requests admitted and not finished, up to ``capacity`` (the engine's: set when the app starts, from the
+    engine's configuration). Used on the event loop only."""
 
+    capacity: int
     admitted: int = 0
 
-    def try_enter(self, capacity: int) -> bool:
+    def try_enter(self) -> bool:
         """Count one more request, or refuse (False) when ``capacity`` are in already."""
-        if self.admitted >= capacity:
+        if self.admitted >= self.capacity:
             return False
         self.admitted += 1
         return True

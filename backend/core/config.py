@@ -10,8 +10,8 @@ from typing import Literal, Self
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from backend.engine_client.values import CacheSettings
 from engine.config import EngineConfig
-from engine.kv.tier_config import CacheSettings
 
 DEV_SECRET = "dev-insecure-secret-change-me"
 

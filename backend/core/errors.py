@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from engine.errors import EngineBusy, EngineError, EngineStopped, InvalidRequestError, PromptTooLongError
+from backend.engine_client.values import EngineBusy, EngineError, EngineStopped, InvalidRequestError, PromptTooLongError
 
 # The stable ``code`` of an HTTP error that carries none of its own (both error shapes use it).
 HTTP_STATUS_CODES = {

@@ -1,6 +1,6 @@
 """Prometheus metrics of one app: the engine's (vLLM-style ``kvchat:`` names) and the backend's.
 
-Engine gauges and counters are read from ``LLMEngine.stats()`` when ``/metrics`` is scraped (nothing to keep in
+Engine gauges and counters are read from ``EngineClient.stats()`` when ``/metrics`` is scraped (nothing to keep in
 step); latency histograms are observed as replies stream. Each app owns its registry, so several apps in one process
 (tests) never collide. NOTE: no label ever carries a user, session or tenant identifier: a label value per customer
 would grow the series without bound and leak who uses the service.
@@ -20,10 +20,8 @@ from prometheus_client.registry import Collector
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from engine.kv.cache_stats import CacheStats
-from engine.kv.tiers import TierStats
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestStats
+from backend.engine_client.protocol import EngineClient
+from backend.engine_client.values import CacheStats, RequestStats, TierStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Buckets of vLLM's TTFT / inter-token histograms (seconds), which dashboards built for vLLM expect.
@@ -35,7 +33,7 @@ _DB_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 class EngineCollector(Collector):
     """Engine gauges and counters, read at scrape time."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self._engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -138,7 +136,7 @@ def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily
 class Metrics:
     """The app's registry and the metrics observed as requests run."""
 
-    def __init__(self, engine: LLMEngine | None = None) -> None:
+    def __init__(self, engine: EngineClient | None = None) -> None:
         self.registry = CollectorRegistry()
         if engine is not None:
             self.watch_engine(engine)
@@ -159,7 +157,7 @@ class Metrics:
 
         self.recent = RecentReplies()
 
-    def watch_engine(self, engine: LLMEngine) -> None:
+    def watch_engine(self, engine: EngineClient) -> None:
         """Expose the engine's gauges and counters (read at scrape time)."""
         self.registry.register(EngineCollector(engine))
 

@@ -14,7 +14,7 @@ from enum import StrEnum
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from engine.errors import EngineError
+from backend.engine_client.values import EngineError
 
 log = logging.getLogger("kvchat")
 

@@ -31,8 +31,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.core.errors import HTTP_STATUS_CODES, error_location, error_problem
-from backend.openai.schemas import ErrorBody, ErrorResponse
-from engine.errors import (
+from backend.engine_client.values import (
     EmptyPromptError,
     EngineBusy,
     EngineError,
@@ -40,6 +39,7 @@ from engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
+from backend.openai.schemas import ErrorBody, ErrorResponse
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"

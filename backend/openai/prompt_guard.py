@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.llm_engine import LLMEngine
+from backend.engine_client.protocol import EngineClient
 
 # NOTE: the chat template wraps each message's content in its own tokens; at a content's edges a token may merge with
 # the template's text, so the template can take at most a few of the content's tokens: this many is generous.
@@ -22,7 +22,7 @@ MARGIN_PER_MESSAGE = 8
 _MAX_BYTES_PER_CHAR = 4  # a token stands for one byte at least, a character for four at most (UTF-8)
 
 
-def counted_floor(engine: LLMEngine, texts: Sequence[str]) -> int | None:
+def counted_floor(engine: EngineClient, texts: Sequence[str]) -> int | None:
     """A lower bound of the tokens the chat-templated ``texts`` encode to, counted by the encoder without building a
     Python list; None when it cannot exceed the model's limit by its length, or the tokenizer has no batch encoder."""
     if sum(len(t) for t in texts) * _MAX_BYTES_PER_CHAR <= engine.prompt_limit:

@@ -11,7 +11,6 @@ the alias ``default``; any other model is a 404 ``model_not_found``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -24,16 +23,23 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from backend.context.stateless import segment_messages
-from backend.core.metrics import Metrics, ReplyTimer
+from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
+from backend.engine_client.protocol import EngineClient
+from backend.engine_client.values import (
+    EngineError,
+    FinishReason,
+    GenerationEvent,
+    PromptTooLongError,
+    RequestFinished,
+    SamplingParams,
+    TokenDelta,
+    TokenizedPrompt,
+)
 from backend.openai import schemas as s
 from backend.openai.errors import OpenAIError, from_engine_error, too_long_before_tokenizing, unsupported
 from backend.openai.prompt_guard import counted_floor
-from engine.errors import EngineError, PromptTooLongError
-from engine.llm_engine import EngineInfo, LLMEngine
-from engine.outputs import FinishReason, GenerationEvent, RequestFinished, TokenDelta
-from engine.prompt import TokenizedPrompt
-from engine.sampling_params import SamplingParams
+from backend.openai.reply import Reply
 
 MODEL_ALIAS = "default"
 KEEPALIVE_S = 15.0  # an SSE comment after this much silence keeps proxies and clients from timing out
@@ -42,24 +48,9 @@ _STARTED = int(time.time())
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 
 
-def served_model_id(engine: LLMEngine) -> str:
-    return "kvchat/" + Path(engine.config.model).name.removesuffix(".gguf")
-
-
-def model_card(engine: LLMEngine) -> s.ModelCard:
-    n = engine.info.max_model_len
-    return s.ModelCard(id=served_model_id(engine), created=_STARTED, max_model_len=n, context_length=n)
-
-
-def check_model(engine: LLMEngine, model: str) -> None:
-    if model not in (served_model_id(engine), MODEL_ALIAS):
-        served = served_model_id(engine)
-        raise OpenAIError(
-            404,
-            f"The model {model!r} does not exist; this server serves {served!r} (alias {MODEL_ALIAS!r}).",
-            "model_not_found",
-            param="model",
-        )
+def served_model_id(model: str) -> str:
+    """The id ``/v1`` serves the configured ``model`` under (``KVCHAT_MODEL``: a name or a path)."""
+    return "kvchat/" + Path(model).name.removesuffix(".gguf")
 
 
 def chat_messages(messages: list[s.ChatMessageIn]) -> list[dict[str, str]]:
@@ -104,11 +95,11 @@ def check_supported(req: s.ChatCompletionRequest) -> None:
         raise unsupported("logit_bias", "logit_bias is not supported by kvchat")
 
 
-def sampling_params(req: s.ChatCompletionRequest, prompt_tokens: int, info: EngineInfo) -> SamplingParams:
-    """Raises ``PromptTooLongError`` / ``InvalidSamplingParamsError`` (mapped to 400 by the caller)."""
-    # NOTE: without max_tokens a reply may fill the rest of the context (OpenAI's and vLLM's default); the KV pool
-    # bounds it too, since the engine refuses a request that could never fit in it.
-    limit = min(info.max_model_len, info.num_blocks * info.block_size)
+def sampling_params(req: s.ChatCompletionRequest, prompt_tokens: int, limit: int) -> SamplingParams:
+    """Raises ``PromptTooLongError`` / ``InvalidSamplingParamsError`` (mapped to 400 by the caller). ``limit``: the
+    engine's ``prompt_limit``, the most tokens a request may hold."""
+    # NOTE: without max_tokens a reply may fill the rest of the limit (OpenAI's and vLLM's default): the model's
+    # context or the KV pool, whichever is smaller.
     max_tokens = req.max_completion_tokens or req.max_tokens or limit - prompt_tokens
     if max_tokens < 1:
         raise PromptTooLongError(prompt_tokens, 1, limit)
@@ -125,42 +116,6 @@ def sampling_params(req: s.ChatCompletionRequest, prompt_tokens: int, info: Engi
     )
 
 
-class _Pending:
-    """One submitted request; the engine's step thread feeds its events into an asyncio queue."""
-
-    def __init__(self, engine: LLMEngine, request_id: str, timer: ReplyTimer | None = None) -> None:
-        self._engine = engine
-        self.request_id = request_id
-        self._timer = timer
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[GenerationEvent | EngineError] = asyncio.Queue()
-        self.finished: RequestFinished | None = None
-
-    def sink(self, event: GenerationEvent | EngineError) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-
-    async def next(self, timeout_s: float) -> GenerationEvent | None:
-        """The next event, or None after ``timeout_s`` of silence. Raises the request's ``EngineError``."""
-        try:
-            event = await asyncio.wait_for(self._queue.get(), timeout_s)
-        except TimeoutError:
-            return None
-        if isinstance(event, EngineError):
-            raise event
-        if isinstance(event, RequestFinished):
-            self.finished = event
-        if self._timer is not None and isinstance(event, TokenDelta):
-            self._timer.delta()
-        elif self._timer is not None and isinstance(event, RequestFinished):
-            self._timer.finished(event.stats)
-        return event
-
-    def abort(self) -> None:
-        """Free the request's blocks unless it already finished (idempotent, safe from any ``finally``)."""
-        if self.finished is None:
-            self._engine.abort(self.request_id)
-
-
 @dataclass(frozen=True, slots=True)
 class _Meta:
     id: str
@@ -171,23 +126,63 @@ class _Meta:
 
 
 class ChatCompletions:
-    """Runs one chat completion for a tenant; built per request around the app's engine."""
+    """The ``/v1`` service of one app: the served model, and chat completions run on its engine."""
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineClient,
+        model_id: str,
         metrics: Metrics | None = None,
         keepalive_s: float = KEEPALIVE_S,
         disconnect_poll_s: float = DISCONNECT_POLL_S,
     ) -> None:
         self.engine = engine
+        self.model_id = model_id  # served_model_id(the configured model)
         self.metrics = metrics
         self.keepalive_s = keepalive_s
         self.disconnect_poll_s = disconnect_poll_s
 
-    async def start(self, req: s.ChatCompletionRequest, tenant_id: str, namespace: str) -> tuple[_Pending, _Meta]:
-        """Validate, tokenize and submit. Raises ``OpenAIError`` / ``EngineError`` before any byte is sent."""
-        check_model(self.engine, req.model)
+    def model_card(self, model: str | None = None) -> s.ModelCard:
+        """The served model's card; ``model`` (when given) must name it or the alias (a 404 ``model_not_found``)."""
+        if model is not None:
+            self._check_model(model)
+        n = self.engine.info.max_model_len
+        return s.ModelCard(id=self.model_id, created=_STARTED, max_model_len=n, context_length=n)
+
+    def _check_model(self, model: str) -> None:
+        if model not in (self.model_id, MODEL_ALIAS):
+            raise OpenAIError(
+                404,
+                f"The model {model!r} does not exist; this server serves {self.model_id!r} (alias {MODEL_ALIAS!r}).",
+                "model_not_found",
+                param="model",
+            )
+
+    async def create(
+        self,
+        req: s.ChatCompletionRequest,
+        tenant_id: str,
+        namespace: str,
+        is_disconnected: Callable[[], Awaitable[bool]],
+    ) -> s.ChatCompletion | StreamingResponse:
+        """Run one chat completion in the tenant's cache namespace: the whole reply, or an SSE stream of it.
+
+        Raises ``OpenAIError`` / ``EngineError`` before any byte is sent: a stream starts once the engine gave its
+        first event, so a request the engine refuses (busy, too long) is an HTTP error, not an SSE one.
+        """
+        reply, meta = await self._start(req, tenant_id, namespace)
+        if not req.stream:
+            return await self._complete(reply, meta, is_disconnected)
+        try:
+            first = await reply.next()
+        except EngineError:
+            await reply.close()
+            raise
+        return EventStreamResponse(self._events(reply, meta, first), on_close=reply.close)
+
+    async def _start(self, req: s.ChatCompletionRequest, tenant_id: str, namespace: str) -> tuple[Reply, _Meta]:
+        """Validate, tokenize, open the engine's stream (the request registers on its first read)."""
+        self._check_model(req.model)
         check_supported(req)
         messages = chat_messages(req.messages)
         floor, limit = self.engine.prompt_token_floor(m["content"] for m in messages), self.engine.prompt_limit
@@ -196,18 +191,17 @@ class ChatCompletions:
         # NOTE: off the event loop, in the tenant's turn on the backend's CPU workers: a long prompt takes
         # milliseconds to render and encode, and the loop serves every socket and probe of the process meanwhile.
         prompt = await run_cpu(tenant_id, self._tokenize, messages)
-        params = sampling_params(req, len(prompt.token_ids), self.engine.info)
+        params = sampling_params(req, len(prompt.token_ids), limit)
         meta = _Meta(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
-            model=served_model_id(self.engine),
+            model=self.model_id,
             fingerprint="fp_" + self.engine.info.fingerprint[:16],
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
         timer = self.metrics.reply_timer(tenant_id) if self.metrics else None
-        pending = _Pending(self.engine, meta.id, timer)
-        self.engine.submit(prompt, params, namespace, pending.sink, request_id=meta.id)
-        return pending, meta
+        events = self.engine.generate(prompt, params, namespace, request_id=meta.id)
+        return Reply(self.engine, meta.id, events, timer), meta
 
     def _tokenize(self, messages: list[dict[str, str]]) -> TokenizedPrompt:
         """The messages, split into semantic blocks (so cache stats count them by type) and tokenized; a prompt far
@@ -217,14 +211,14 @@ class ChatCompletions:
             raise too_long_before_tokenizing(floor, limit)
         return self.engine.tokenize_prompt(segment_messages(messages))
 
-    async def complete(
-        self, pending: _Pending, meta: _Meta, is_disconnected: Callable[[], Awaitable[bool]]
+    async def _complete(
+        self, reply: Reply, meta: _Meta, is_disconnected: Callable[[], Awaitable[bool]]
     ) -> s.ChatCompletion:
         parts: list[str] = []
         checked = time.monotonic()
         try:
-            while pending.finished is None:
-                event = await self._next(pending)
+            while reply.finished is None:
+                event = await self._next(reply)
                 if isinstance(event, TokenDelta):
                     parts.append(event.text)
                 if time.monotonic() - checked >= self.disconnect_poll_s:
@@ -232,8 +226,8 @@ class ChatCompletions:
                     if await is_disconnected():
                         raise OpenAIError(499, "the client closed the request", "client_closed_request")
         finally:
-            pending.abort()
-        done = pending.finished
+            await reply.close()
+        done = reply.finished
         return s.ChatCompletion(
             id=meta.id,
             created=meta.created,
@@ -243,19 +237,12 @@ class ChatCompletions:
             usage=usage(done),
         )
 
-    def stream(self, pending: _Pending, meta: _Meta) -> StreamingResponse:
-        return EventStreamResponse(self._events(pending, meta), on_close=pending.abort)
-
-    async def _events(self, pending: _Pending, meta: _Meta) -> AsyncIterator[str]:
+    async def _events(self, reply: Reply, meta: _Meta, first: GenerationEvent | None) -> AsyncIterator[str]:
         """SSE: a role chunk, content chunks, a finish chunk, [a usage chunk], ``[DONE]``; comments while silent."""
         try:
             yield _sse(_chunk(meta, s.Delta(role="assistant", content="")))
-            while pending.finished is None:
-                try:
-                    event = await pending.next(self.keepalive_s)
-                except EngineError as exc:
-                    yield _sse(from_engine_error(exc).body)
-                    break
+            event = first
+            while True:
                 if event is None:
                     yield ": keep-alive\n\n"
                 elif isinstance(event, TokenDelta):
@@ -265,13 +252,19 @@ class ChatCompletions:
                     yield _sse(_chunk(meta, s.Delta(), _finish_reason(event)))
                     if meta.include_usage:
                         yield _sse(_usage_chunk(meta, event))
+                    break
+                try:
+                    event = await reply.next(self.keepalive_s)
+                except EngineError as exc:
+                    yield _sse(from_engine_error(exc).body)
+                    break
             yield "data: [DONE]\n\n"
         finally:
-            pending.abort()
+            await reply.close()
 
-    async def _next(self, pending: _Pending) -> GenerationEvent | None:
+    async def _next(self, reply: Reply) -> GenerationEvent | None:
         try:
-            return await pending.next(self.disconnect_poll_s)
+            return await reply.next(self.disconnect_poll_s)
         except EngineError as exc:
             raise from_engine_error(exc) from exc
 
@@ -283,7 +276,7 @@ class EventStreamResponse(StreamingResponse):
     iterator unclosed until garbage collection; ``on_close`` frees the engine request at once either way.
     """
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self._on_close = on_close
@@ -292,7 +285,7 @@ class EventStreamResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
+            await self._on_close()
 
 
 def usage(done: RequestFinished) -> s.Usage:

@@ -33,11 +33,10 @@ from backend.context.builder import PREFIX_TYPES, prefix_prompt
 from backend.core.errors import InvalidCacheSettingsError, NamespaceSharedError, PinRefusedError, TenantNotFoundError
 from backend.core.namespaces import CacheScope, Namespaces
 from backend.db.models import InvalidationReason, Tenant
+from backend.engine_client.protocol import EngineClient
+from backend.engine_client.values import ErasureResult, InvalidationResult, InvalidRequestError, PinResult
 from backend.services import context_store
 from backend.services import sessions as store
-from engine.errors import InvalidRequestError
-from engine.kv.kv_cache_manager import InvalidationResult
-from engine.llm_engine import ErasureResult, LLMEngine, PinResult
 
 log = logging.getLogger("kvchat.cache")
 ADMIN_ACTOR = "admin"
@@ -79,12 +78,12 @@ def namespace_of(namespaces: Namespaces, tenant: Tenant) -> str:
 
 
 async def flush_session(
-    db: AsyncSession, engine: LLMEngine, namespaces: Namespaces, tenant: Tenant, session_id: str
+    db: AsyncSession, engine: EngineClient, namespaces: Namespaces, tenant: Tenant, session_id: str
 ) -> InvalidationResult:
     """Free the session's cached blocks (its whole chain; what other sessions use stays). The session stays open.
 
     NOTE: from position 0: the chain's first blocks are the tenant's part 1, kept anyway while another session
-    lists them (``LLMEngine.invalidate`` protects other sessions' chains and running requests).
+    lists them (``EngineClient.invalidate`` protects other sessions' chains and running requests).
     """
     await store.get_session(db, tenant.id, session_id)
     reason = InvalidationReason.ADMIN_FLUSH
@@ -95,7 +94,7 @@ async def flush_session(
 
 
 async def flush_tenant(
-    db: AsyncSession, engine: LLMEngine, namespaces: Namespaces, tenant: Tenant
+    db: AsyncSession, engine: EngineClient, namespaces: Namespaces, tenant: Tenant
 ) -> InvalidationResult:
     """Free every cached block of the tenant's namespace (blocks in flight go when their request ends)."""
     if CacheScope(tenant.cache_scope) is CacheScope.PUBLIC:
@@ -123,7 +122,7 @@ async def record_erasure(db: AsyncSession, tenant_id: str, erasure: ErasureResul
 # ---------------------------------------------------------------------- part 1: edits and pinning
 
 
-def prefix_token_ids(engine: LLMEngine, system_prompt: str, policy_text: str) -> list[int]:
+def prefix_token_ids(engine: EngineClient, system_prompt: str, policy_text: str) -> list[int]:
     """The token ids of part 1 (system prompt + policy text) that start every prompt of the tenant.
 
     NOTE: rendered as a system message without a generation prompt, then cut where part 1's segments end: the
@@ -137,7 +136,7 @@ def prefix_token_ids(engine: LLMEngine, system_prompt: str, policy_text: str) ->
     return tokenized.token_ids[:end]
 
 
-def pin(engine: LLMEngine, namespaces: Namespaces, tenant: Tenant) -> PinResult:
+def pin(engine: EngineClient, namespaces: Namespaces, tenant: Tenant) -> PinResult:
     """(Re)pin the tenant's part 1 in its namespace, in place of its earlier pin (kept when this one is refused:
     ``PinRefusedError``, over the operator's pinned share)."""
     namespace = namespace_of(namespaces, tenant)
@@ -149,7 +148,7 @@ def pin(engine: LLMEngine, namespaces: Namespaces, tenant: Tenant) -> PinResult:
 
 
 async def prefix_edited(
-    db: AsyncSession, engine: LLMEngine, namespaces: Namespaces, tenant: Tenant, actor: str = ADMIN_ACTOR
+    db: AsyncSession, engine: EngineClient, namespaces: Namespaces, tenant: Tenant, actor: str = ADMIN_ACTOR
 ) -> PrefixEdit:
     """After the tenant's system prompt or policy text changed (committed): flush what depended on the old one and
     pin the new one when the tenant pins. A refused pin does not undo the edit: it is logged and reported."""
@@ -166,7 +165,7 @@ async def prefix_edited(
 
 
 async def set_tenant_cache(
-    db: AsyncSession, engine: LLMEngine, namespaces: Namespaces, tenant_id: str, change: TenantCacheChange
+    db: AsyncSession, engine: EngineClient, namespaces: Namespaces, tenant_id: str, change: TenantCacheChange
 ) -> TenantCache:
     """Store the tenant's cache scope and pin setting; pin or unpin to match. Nothing is stored when the pin fails.
 
@@ -193,7 +192,7 @@ async def tenant_cache(db: AsyncSession, tenant_id: str) -> TenantCache:
 
 
 async def pin_at_start(
-    sessionmaker: async_sessionmaker[AsyncSession], engine: LLMEngine, namespaces: Namespaces
+    sessionmaker: async_sessionmaker[AsyncSession], engine: EngineClient, namespaces: Namespaces
 ) -> int:
     """Pin part 1 of every tenant that has ``pin_prefix`` on (at start); returns how many were pinned."""
     async with sessionmaker() as db:
@@ -202,7 +201,7 @@ async def pin_at_start(
     return sum(_pin_or_log(engine, namespaces, tenant) is not None for tenant in pinning)
 
 
-def _pin_or_log(engine: LLMEngine, namespaces: Namespaces, tenant: Tenant) -> PinResult | None:
+def _pin_or_log(engine: EngineClient, namespaces: Namespaces, tenant: Tenant) -> PinResult | None:
     try:
         return pin(engine, namespaces, tenant)
     except PinRefusedError as exc:

@@ -1,5 +1,5 @@
 """The engine-global cache settings (TTLs per tier, disk cap, free-space floor, eviction policy, block-type weights,
-pinned share), read and changed at runtime through ``LLMEngine.configure_cache``.
+pinned share), read and changed at runtime through ``EngineClient.configure_cache``.
 
 NOTE: operator-only (``/admin/cache/settings`` takes the operator's credential, never a tenant's admin key): one
 engine serves every tenant, so these settings are every tenant's at once.
@@ -11,16 +11,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from backend.core.errors import InvalidCacheSettingsError
-from engine.errors import InvalidRequestError
-from engine.kv.tier_config import CacheSettings
-from engine.llm_engine import LLMEngine
+from backend.engine_client.protocol import EngineClient
+from backend.engine_client.values import CacheSettings, InvalidRequestError
 
 
-def current(engine: LLMEngine) -> CacheSettings:
+def current(engine: EngineClient) -> CacheSettings:
     return engine.cache_settings()
 
 
-def configure(engine: LLMEngine, changes: Mapping[str, Any]) -> CacheSettings:
+def configure(engine: EngineClient, changes: Mapping[str, Any]) -> CacheSettings:
     """Apply ``changes`` (the fields given; the rest keep their value) and return the settings now in force.
 
     A value the engine refuses changes nothing and is an ``InvalidCacheSettingsError`` (422) with the engine's reason.

@@ -7,7 +7,7 @@
 - ``load`` + ``prepare``: the turn's engine request, built by ``backend/context/builder.py`` under the tenant's
   history policy, and its token ids;
 - ``invalidate_dropped``: when the prompt drops an epoch the previous turn's prompt had, free the session's cached
-  blocks from the first token that changed (``LLMEngine.invalidate``) and store the event;
+  blocks from the first token that changed (``EngineClient.invalidate``) and store the event;
 - ``pinned_context_edited``: after an admin edited the session's pinned context, free its cached blocks from the
   end of the tenant's system prompt and policy text on (which stay: every session shares them) and store the event;
 - ``record_release``: store a closed session's cache release as an invalidation event.
@@ -54,12 +54,11 @@ from backend.db.models import (
     SemanticBlock,
     Tenant,
 )
+from backend.engine_client.protocol import EngineClient
+from backend.engine_client.values import InvalidationResult, SegmentedPrompt, TokenizedPrompt
 from backend.services import context_store
 from backend.services import sessions as store
 from backend.services.context_store import ContextSettings, RuleSetCache
-from engine.kv.kv_cache_manager import InvalidationResult
-from engine.llm_engine import LLMEngine
-from engine.prompt import SegmentedPrompt, TokenizedPrompt
 
 # The ``budget`` policy's prompt limit (the model's own budget still applies under every policy).
 DEFAULT_POLICY_BUDGET_TOKENS = 1024
@@ -90,7 +89,7 @@ class SessionContext:
 @dataclass(frozen=True, slots=True)
 class PreparedPrompt:
     built: BuiltContext
-    token_ids: list[int]
+    tokenized: TokenizedPrompt  # what the engine runs (never tokenized again)
     context_from: int  # the first token after the tenant's system prompt and policy: the session's own context
     namespace: str
     epoch: int  # the topic of the message the turn answers
@@ -99,6 +98,10 @@ class PreparedPrompt:
     @property
     def prompt(self) -> SegmentedPrompt:
         return self.built.prompt
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokenized.token_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +173,7 @@ class ContextService:
     def __init__(
         self,
         sessionmaker: async_sessionmaker[AsyncSession],
-        engine: LLMEngine,
+        engine: EngineClient,
         namespaces: Namespaces,
         policy_budget_tokens: int = DEFAULT_POLICY_BUDGET_TOKENS,
     ) -> None:
@@ -308,7 +311,7 @@ class ContextService:
         tokenized = counted[0][1] if counted[0][0] is built.prompt else self._engine.tokenize_prompt(built.prompt)
         context_from = max((s.end for s in tokenized.spans if s.block_type in PREFIX_TYPES), default=0)
         temperature = ctx.temperatures.get(user_seq, ctx.temperature)
-        return PreparedPrompt(built, tokenized.token_ids, context_from, ctx.namespace, epoch, temperature)
+        return PreparedPrompt(built, tokenized, context_from, ctx.namespace, epoch, temperature)
 
     # ------------------------------------------------------------------ invalidation
 
@@ -360,7 +363,7 @@ class ContextService:
     async def record_release(
         self, session_id: str, blocks_freed: int, reason: InvalidationReason, actor: str = SYSTEM_ACTOR
     ) -> None:
-        """Store the release of a session's cache (``LLMEngine.release_session`` frees whole blocks only)."""
+        """Store the release of a session's cache (``EngineClient.release_session`` frees whole blocks only)."""
         self.forget(session_id)
         async with self._sm() as db:
             session = await db.get(ChatSession, session_id)

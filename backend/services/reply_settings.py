@@ -15,8 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from backend.core.config import Settings
 from backend.core.errors import InvalidReplySettingsError
 from backend.db.models import TenantReplySettings
-from engine.errors import InvalidSamplingParamsError
-from engine.sampling_params import SamplingParams, StructuredOutput
+from backend.engine_client.values import InvalidSamplingParamsError, SamplingParams, StructuredOutput
 
 
 class ToolUse(enum.StrEnum):

@@ -16,10 +16,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from backend.chat.service import ChatService
 from backend.context.blocks import Block
 from backend.db.models import ChatSession, InvalidationEvent, Message, SessionStatus, TopicHistory
+from backend.engine_client.protocol import EngineClient
+from backend.engine_client.values import CacheFootprint, ErasureResult, InvalidationResult
 from backend.services import cache_admin, context_store
 from backend.services import sessions as store
-from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult
-from engine.llm_engine import ErasureResult, LLMEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +91,7 @@ class SessionDetail:
     footprint: CacheFootprint  # the session's recorded chain blocks cached right now
 
 
-async def detail(db: AsyncSession, engine: LLMEngine, tenant_id: str, session_id: str) -> SessionDetail:
+async def detail(db: AsyncSession, engine: EngineClient, tenant_id: str, session_id: str) -> SessionDetail:
     session = await store.get_session(db, tenant_id, session_id)
     blocks: dict[int, list[Block]] = {}
     for block in await context_store.load_blocks(db, session_id):

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from backend.core.metrics import Metrics, ReplySummary
 from backend.db.models import ChatSession, InvalidationEvent, TopicHistory, utcnow
-from engine.llm_engine import LLMEngine
+from backend.engine_client.protocol import EngineClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +59,7 @@ class TenantStats:
     engine: EngineCapacity
 
 
-def engine_capacity(engine: LLMEngine) -> EngineCapacity:
+def engine_capacity(engine: EngineClient) -> EngineCapacity:
     s = engine.stats()
     block_bytes = engine.info.block_size * engine.info.kv_bytes_per_token
     tiers = TierUsage(
@@ -75,7 +75,7 @@ def engine_capacity(engine: LLMEngine) -> EngineCapacity:
 
 
 async def tenant_stats(
-    db: AsyncSession, engine: LLMEngine, metrics: Metrics, tenant_id: str, window_s: float
+    db: AsyncSession, engine: EngineClient, metrics: Metrics, tenant_id: str, window_s: float
 ) -> TenantStats:
     rows = await db.execute(
         select(ChatSession.status, func.count()).where(ChatSession.tenant_id == tenant_id).group_by(ChatSession.status)

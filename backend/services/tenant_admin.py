@@ -23,12 +23,12 @@ from backend.core.errors import RuleExistsError, RuleNotFoundError, RuleReadOnly
 from backend.core.namespaces import Namespaces
 from backend.core.offload import run_cpu
 from backend.db.models import ApiKey, HistoryPolicy, KeyKind, SplitterRule, Tenant
+from backend.engine_client.protocol import EngineClient
 from backend.services import cache_admin, context_store, tenants
 from backend.services.cache_admin import PrefixEdit
 from backend.services.context_store import ContextSettings
 from backend.services.revocation import KeyWatch
 from backend.services.tenants import IssuedKey
-from engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ class SettingsChange:
 
 
 async def set_system_prompt(
-    db: AsyncSession, engine: LLMEngine, namespaces: Namespaces, tenant_id: str, system_prompt: str
+    db: AsyncSession, engine: EngineClient, namespaces: Namespaces, tenant_id: str, system_prompt: str
 ) -> PrefixEdit:
     """Replace the system prompt every session of the tenant starts with (the next turn of every session uses it);
     the cached blocks that depended on the old one are freed, and the new prefix is pinned when the tenant pins."""
@@ -62,7 +62,7 @@ async def set_system_prompt(
 
 
 async def set_policy_text(
-    db: AsyncSession, engine: LLMEngine, namespaces: Namespaces, tenant_id: str, policy_text: str
+    db: AsyncSession, engine: EngineClient, namespaces: Namespaces, tenant_id: str, policy_text: str
 ) -> PrefixEdit:
     """Replace the policy text rendered right after the system prompt; the cache follows as for the system prompt."""
     tenant = await tenants.set_policy_text(db, tenant_id, policy_text)

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from backend.api.deps import DbDep, OperatorDep, StateDep, audit_note, operator_audited
 from backend.api.routes.admin_audit import AuditOut
 from backend.core.limits import QueryOffset
+from backend.engine_client.values import CacheSettings
 from backend.services import audit, cache_settings
-from engine.kv.tier_config import CacheSettings
 
 router = APIRouter(prefix="/admin/cache", tags=["operator: cache"])
 _OPERATOR: dict[int | str, dict[str, Any]] = {

@@ -20,9 +20,9 @@ from backend.chat.service import message_out
 from backend.context.blocks import Block
 from backend.core.limits import ExternalRef, QueryOffset, SafeText, SessionId
 from backend.db.models import ChatSession, InvalidationEvent, SessionStatus, TopicHistory
+from backend.engine_client.values import InvalidationResult
 from backend.services import cache_admin, session_admin
 from backend.services.session_admin import SessionDetail, SessionQuery
-from engine.kv.kv_cache_manager import InvalidationResult
 
 router = APIRouter(prefix="/admin/sessions", tags=["admin: sessions"])
 

@@ -7,10 +7,10 @@ import contextlib
 
 from fastapi import APIRouter, WebSocket
 
+from backend.api.state import AppState
 from backend.chat.connection import ChatConnection, ConnectionLimits
 from backend.chat.protocol import CloseCode, ErrorFrame
 from backend.core.errors import StartingError
-from backend.core.state import AppState
 
 router = APIRouter(tags=["chat"])
 _HELLO_WAIT_S = 10.0

@@ -11,8 +11,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
+from backend.api.state import AppState
 from backend.core.startup import Startup
-from backend.core.state import AppState
 
 router = APIRouter(tags=["health"])
 

@@ -15,7 +15,6 @@ from fastapi.security import HTTPAuthorizationCredentials
 
 from backend.api.deps import BEARER, StateDep, bearer_token
 from backend.db.models import KeyKind, Tenant
-from backend.openai import service
 from backend.openai.errors import OpenAIRoute, unauthorized
 from backend.openai.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse, ModelCard, ModelList
 
@@ -39,21 +38,17 @@ ChatTenantDep = Annotated[Tenant, Depends(_chat_tenant)]
 
 @router.get("/models")
 async def list_models(_: ChatTenantDep, state: StateDep) -> ModelList:
-    return ModelList(data=[service.model_card(state.engine)])
+    return ModelList(data=[state.completions.model_card()])
 
 
 @router.get("/models/{model_id:path}")
 async def get_model(model_id: str, _: ChatTenantDep, state: StateDep) -> ModelCard:
-    service.check_model(state.engine, model_id)
-    return service.model_card(state.engine)
+    return state.completions.model_card(model_id)
 
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest, tenant: ChatTenantDep, state: StateDep, request: Request
 ) -> ChatCompletion | StreamingResponse:
-    completions = service.ChatCompletions(state.engine, state.metrics)
-    pending, meta = await completions.start(body, tenant.id, state.namespaces.of(tenant.id, tenant.cache_scope))
-    if body.stream:
-        return completions.stream(pending, meta)
-    return await completions.complete(pending, meta, request.is_disconnected)
+    namespace = state.namespaces.of(tenant.id, tenant.cache_scope)
+    return await state.completions.create(body, tenant.id, namespace, request.is_disconnected)

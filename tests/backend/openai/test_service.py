@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
 
 from backend.openai import schemas as s
 from backend.openai.errors import OpenAIError
-from backend.openai.service import ChatCompletions, _Meta, _Pending, chat_messages, sampling_params
-from engine.errors import EngineBusy, PromptTooLongError
-from engine.llm_engine import EngineInfo
-from engine.outputs import FinishReason, RequestFinished, RequestStats, TokenDelta
+from backend.openai.reply import Reply
+from backend.openai.service import KEEPALIVE_S, ChatCompletions, _Meta, chat_messages, sampling_params
+from engine.errors import EngineBusy, EngineError, PromptTooLongError
+from engine.outputs import FinishReason, GenerationEvent, RequestFinished, RequestStats, TokenDelta
 
-INFO = EngineInfo("m", "f" * 64, "llama", "cpu", "float32", 64, 16, 1, 2048, 384)  # pool 1024 tokens < context
+LIMIT = 1024  # the engine's prompt_limit (its KV pool, smaller than its context here)
 META = _Meta("chatcmpl-1", 1, "kvchat/m", "fp_x", include_usage=True)
 STATS = RequestStats(10, 0, 10, 2, 0.0, 0.0, 0.0, 0)
 
@@ -26,7 +28,7 @@ def _req(**extra: Any) -> s.ChatCompletionRequest:
 
 
 def test_defaults_follow_openai_and_fill_the_context() -> None:
-    p = sampling_params(_req(), prompt_tokens=24, info=INFO)
+    p = sampling_params(_req(), prompt_tokens=24, limit=LIMIT)
     assert (p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (1.0, 1.0, 0, None, ())
     assert p.max_tokens == 1024 - 24  # the KV pool is smaller than the context here
 
@@ -35,14 +37,14 @@ def test_max_completion_tokens_wins_and_vllm_extensions_map() -> None:
     p = sampling_params(
         _req(max_tokens=5, max_completion_tokens=7, top_k=-1, min_tokens=3, ignore_eos=True, stop="END", seed=9),
         prompt_tokens=4,
-        info=INFO,
+        limit=LIMIT,
     )
     assert (p.max_tokens, p.top_k, p.min_tokens, p.ignore_eos, p.stop, p.seed) == (7, 0, 3, True, ("END",), 9)
 
 
 def test_a_prompt_that_fills_the_context_is_too_long() -> None:
     with pytest.raises(PromptTooLongError) as exc:
-        sampling_params(_req(), prompt_tokens=1024, info=INFO)
+        sampling_params(_req(), prompt_tokens=1024, limit=LIMIT)
     assert (exc.value.prompt_tokens, exc.value.max_tokens, exc.value.limit) == (1024, 1, 1024)
 
 
@@ -65,25 +67,47 @@ def test_messages_map_developer_to_system_and_join_text_parts() -> None:
 
 
 class _FakeEngine:
+    """What ``ChatCompletions`` streams from: ``generate`` yields what the test puts in ``events``."""
+
     def __init__(self) -> None:
         self.aborted: list[str] = []
+        self.events: asyncio.Queue[GenerationEvent | EngineError] = asyncio.Queue()
+        self.closed = False
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def generate(self) -> AsyncGenerator[GenerationEvent, None]:
+        try:
+            while True:
+                event = await self.events.get()
+                if isinstance(event, EngineError):
+                    raise event
+                yield event
+        finally:
+            self.closed = True
+
+
+def _reply(engine: _FakeEngine, request_id: str) -> Reply:
+    return Reply(engine, request_id, engine.generate())  # type: ignore[arg-type]
 
 
 def _frames(raw: list[str]) -> list[Any]:
     return [json.loads(f[6:]) if f.startswith("data: {") else f for f in raw]
 
 
+def _completions(engine: _FakeEngine, keepalive_s: float = KEEPALIVE_S) -> ChatCompletions:
+    return ChatCompletions(engine, "kvchat/m", keepalive_s=keepalive_s)  # type: ignore[arg-type]
+
+
 @pytest.mark.anyio
 async def test_stream_sends_keepalives_while_silent_then_chunks_usage_and_done() -> None:
     engine = _FakeEngine()
-    pending = _Pending(engine, "chatcmpl-1")  # type: ignore[arg-type]
-    events = ChatCompletions(engine, keepalive_s=0.01)._events(pending, META)  # type: ignore[arg-type]
+    reply = _reply(engine, "chatcmpl-1")
+    events = _completions(engine, keepalive_s=0.01)._events(reply, META, None)
     raw = [await anext(events), await anext(events)]  # the role chunk, then a keep-alive (nothing arrived)
-    pending.sink(TokenDelta("chatcmpl-1", (5,), "Hi"))
-    pending.sink(RequestFinished("chatcmpl-1", FinishReason.LENGTH, "Hi", (5, 6), STATS))
+    engine.events.put_nowait(TokenDelta("chatcmpl-1", (5,), "Hi"))
+    engine.events.put_nowait(RequestFinished("chatcmpl-1", FinishReason.LENGTH, "Hi", (5, 6), STATS))
     raw += [f async for f in events if f != ": keep-alive\n\n"]
     frames = _frames(raw)
     assert frames[1] == ": keep-alive\n\n"
@@ -98,23 +122,41 @@ async def test_stream_sends_keepalives_while_silent_then_chunks_usage_and_done()
     }
     assert frames[5] == "data: [DONE]\n\n"
     assert engine.aborted == []  # finished normally: nothing to abort
+    assert engine.closed
 
 
 @pytest.mark.anyio
 async def test_closing_the_stream_early_aborts_and_an_engine_error_becomes_an_error_event() -> None:
     engine = _FakeEngine()
-    pending = _Pending(engine, "r1")  # type: ignore[arg-type]
-    events = ChatCompletions(engine)._events(pending, META)  # type: ignore[arg-type]
+    events = _completions(engine)._events(_reply(engine, "r1"), META, None)
     await anext(events)
     await events.aclose()
     assert engine.aborted == ["r1"]
 
-    pending = _Pending(engine, "r2")  # type: ignore[arg-type]
-    events = ChatCompletions(engine)._events(pending, META)  # type: ignore[arg-type]
-    await anext(events)
-    pending.sink(EngineBusy("queue full", 2.0))
+    engine = _FakeEngine()
+    events = _completions(engine)._events(_reply(engine, "r2"), META, TokenDelta("r2", (5,), "Hi"))
+    assert [_frames([await anext(events)])[0]["choices"][0]["delta"] for _ in range(2)] == [
+        {"role": "assistant", "content": ""},
+        {"content": "Hi"},
+    ]
+    engine.events.put_nowait(EngineBusy("queue full", 2.0))
     rest = _frames([f async for f in events])
     assert rest[0] == {
         "error": {"message": "queue full; retry after 2.0s", "type": "server_error", "param": None, "code": "busy"}
     }
     assert rest[1] == "data: [DONE]\n\n"
+    assert engine.aborted == ["r2"] and engine.closed
+
+
+@pytest.mark.anyio
+async def test_a_read_that_times_out_leaves_the_request_running() -> None:
+    engine = _FakeEngine()
+    reply = _reply(engine, "r3")
+    assert await reply.next(0.01) is None
+    assert await reply.next(0.01) is None
+    engine.events.put_nowait(TokenDelta("r3", (5,), "Hi"))
+    assert await reply.next(1.0) == TokenDelta("r3", (5,), "Hi")
+    assert (engine.aborted, engine.closed) == ([], False)  # silence never cancelled the stream
+    await reply.close()
+    await reply.close()
+    assert engine.aborted == ["r3"] and engine.closed

@@ -1,8 +1,9 @@
-"""What the app's lifespan owns: settings, the database engine, the inference engine, the chat service."""
+"""What the app's lifespan builds and the routes read (``backend/api/deps.py``): settings, the database engine, the
+inference engine (behind its interface), the chat and ``/v1`` services."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
@@ -11,7 +12,8 @@ from backend.core.admission import Admission
 from backend.core.config import Settings
 from backend.core.metrics import Metrics
 from backend.core.namespaces import Namespaces
-from engine.llm_engine import LLMEngine
+from backend.engine_client.protocol import EngineClient
+from backend.openai.service import ChatCompletions
 
 
 @dataclass(slots=True)
@@ -19,8 +21,9 @@ class AppState:
     settings: Settings
     db_engine: AsyncEngine
     sessionmaker: async_sessionmaker[AsyncSession]
-    engine: LLMEngine
+    engine: EngineClient
     chat: ChatService
+    completions: ChatCompletions  # /v1
     metrics: Metrics
     namespaces: Namespaces  # every engine call's cache namespace comes from here (backend/core/namespaces.py)
-    admission: Admission = field(default_factory=Admission)  # /v1 requests in flight (backend/core/admission.py)
+    admission: Admission  # /v1 requests in flight (backend/core/admission.py)
