@@ -48,6 +48,8 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "greedy, repetition 1.1": {"repetition_penalty": 1.1},
     "greedy, repetition 1.2": {"repetition_penalty": 1.2},
     "greedy, frequency 0.5": {"frequency_penalty": 0.5},
+    "greedy, repetition 1.1, frequency 0.3": {"repetition_penalty": 1.1, "frequency_penalty": 0.3},
+    "greedy, repetition 1.2, frequency 0.3": {"repetition_penalty": 1.2, "frequency_penalty": 0.3},
     "t 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
     "t 0.7, top_p 0.9, repetition 1.1": {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1},
 }

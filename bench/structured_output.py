@@ -10,7 +10,8 @@ the rows beside them that have none?
    Control: all plain greedy. Mixed: the same, but ``--grammar-rows`` (2) of them constrained by a grammar that never
    completes (a JSON list of strings, so they decode to the end like their plain peers). The figure is the plain
    rows' tokens per second in the mixed batch over the same rows' in the control batch, medians of ``--repeats``
-   rounds run alternately (ABAB), prefix caching off so every round prefills alike. Goal: a loss of at most 5 %.
+   rounds run alternately (ABAB), prefix caching off so every round prefills alike: the median over the rounds of
+   the mixed batch's rate over the control batch's run just before it. Goal: a loss of at most 5 %.
 
 Writes ``docs/benchmarks/structured_output.json`` (and prints a table).
 """
@@ -128,6 +129,9 @@ def neighbours(engine: LLMEngine, texts: list[str], args: argparse.Namespace) ->
             if round_:
                 rates[kind].append(measured * args.decode_tokens / elapsed)
     control, mixed = statistics.median(rates["control"]), statistics.median(rates["mixed"])
+    # NOTE: the cores are shared, so the load moves between rounds: each round's mixed batch is compared with the
+    # control batch run right before it, and the figure is the median of those ratios.
+    ratio = statistics.median(m / c for m, c in zip(rates["mixed"], rates["control"], strict=True))
     return {
         "batch": args.batch,
         "grammar_rows": args.grammar_rows,
@@ -135,10 +139,10 @@ def neighbours(engine: LLMEngine, texts: list[str], args: argparse.Namespace) ->
         "repeats": args.repeats,
         "plain_rows_tokens_per_s": {"control": control, "mixed": mixed},
         "samples": rates,
-        "ratio": mixed / control,
-        "loss": 1 - mixed / control,
+        "ratio": ratio,
+        "loss": 1 - ratio,
         "goal": "loss <= 0.05",
-        "met": 1 - mixed / control <= 0.05,
+        "met": 1 - ratio <= 0.05,
     }
 
 
@@ -152,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--grammar-rows", type=int, default=2)
     p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
 
