@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from backend.core.config import Settings
 from backend.core.errors import BackendError, one_line_reason
 from backend.db.engine import create_db_engine, create_sessionmaker
-from backend.db.models import KeyKind
+from backend.domain import KeyKind
 from backend.services import tenants
 
 Command = Callable[[AsyncSession, argparse.Namespace], Awaitable[None]]

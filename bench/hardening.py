@@ -344,7 +344,7 @@ async def add_tenant(database_url: str, name: str) -> tuple[str, str]:
     """A tenant made directly in the database (as ``kvchat tenants create`` does): its chat token and admin key."""
     from backend.core.config import normalize_database_url
     from backend.db.engine import create_db_engine, create_sessionmaker
-    from backend.db.models import KeyKind
+    from backend.domain import KeyKind
     from backend.services import tenants
 
     engine = create_db_engine(normalize_database_url(database_url))

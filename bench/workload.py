@@ -14,7 +14,8 @@ Data (read from ``--data-dir``, default ``bench/data/``, vendored xz-compressed:
 * ``cucom_ecommerce_dev.jsonl`` — a subset of the CuCom v0.1 e-commerce conversations (vakyansh/cucom), Apache-2.0.
 * ``abcd_guidelines.json`` — the agent handbook of the ABCD dataset (asappresearch/abcd), MIT.
 
-``main(argv)`` is ``bench.run.main`` (``make bench`` runs ``bench.run --standard`` through ``bench.run_all``).
+The benchmark program that replays it is ``bench.run`` (``make bench`` runs ``bench.run --standard`` through
+``bench.run_all``); this module imports no other benchmark module but ``bench.datasets``.
 """
 
 from __future__ import annotations
@@ -248,10 +249,3 @@ def think_times(config: WorkloadConfig, session_index: int) -> tuple[float, ...]
         return (0.0, *(mean,) * (config.turns - 1))
     rng = random.Random(f"think:{config.seed}:{session_index}")
     return (0.0, *(rng.expovariate(1 / mean) for _ in range(config.turns - 1)))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``make bench`` hook: the workload benchmark program (``bench.run.main``)."""
-    from bench.run import main as run_main
-
-    return run_main(argv)

@@ -19,7 +19,8 @@ from backend.api.state import AppState
 from backend.core.config import Settings
 from backend.core.errors import HTTP_STATUS_CODES, StartingError
 from backend.core.security import display_prefix
-from backend.db.models import KeyKind, Tenant
+from backend.db.models import Tenant
+from backend.domain import KeyKind
 from backend.services import audit
 from backend.services.tenants import authenticate
 

@@ -33,7 +33,8 @@ from backend.chat.service import ChatService
 from backend.core import client_errors, logs
 from backend.core.errors import BackendError, SessionNotFoundError
 from backend.core.metrics import Metrics
-from backend.db.models import KeyKind, Tenant
+from backend.db.models import Tenant
+from backend.domain import KeyKind
 from backend.engine_client.values import EngineError
 from backend.services.tenants import KeyOwner
 

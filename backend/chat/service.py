@@ -54,7 +54,8 @@ from backend.context.builder import prefix_segments
 from backend.core.errors import MessageTooLongError, SessionClosedError, ShuttingDownError, engine_error_code
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
-from backend.db.models import InvalidationReason, Message, MessageRole, MessageStatus, SessionStatus, Tenant
+from backend.db.models import Message, Tenant
+from backend.domain import InvalidationReason, MessageRole, MessageStatus, SessionStatus
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import (
     EngineBusy,
@@ -216,21 +217,21 @@ class ChatService:
             await store.set_status(db, session_id, status)
         self.hub.publish(session_id, SessionStatusFrame(session_id=session_id, status=status.value))
         if status == SessionStatus.CLOSED:
-            freed = self.release_cache(session_id)
+            freed = await self.release_cache(session_id)
             await self.context.record_release(session_id, freed, reason, actor)
 
-    def release_cache(self, session_id: str) -> int:
+    async def release_cache(self, session_id: str) -> int:
         """Release the engine cache only this session uses (demoted to disk when the engine has a disk tier);
         returns the blocks that left memory."""
         self._forget(session_id)
-        freed = self._engine.release_session(session_id)
+        freed = await asyncio.to_thread(self._engine.release_session, session_id)  # (disk writes: off the loop)
         log.info("released the engine cache of session %s (%d blocks)", session_id, freed)
         return freed
 
-    def erase_cache(self, session_id: str, namespace: str) -> ErasureResult:
+    async def erase_cache(self, session_id: str, namespace: str) -> ErasureResult:
         """Erasure (a deleted session): remove the session's blocks from every tier of the engine."""
         self._forget(session_id)
-        erased = self._engine.erase_session(session_id, namespace)
+        erased = await asyncio.to_thread(self._engine.erase_session, session_id, namespace)
         log.info(
             "erased the engine cache of session %s (%d memory, %d disk blocks)",
             session_id,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from backend.context.blocks import Block, BlockKey, BlockType
-from backend.db.models import HistoryPolicy, MessageRole
+from backend.domain import HistoryPolicy, MessageRole
 from backend.engine_client.values import Segment, SegmentedPrompt
 
 CountTokens = Callable[[SegmentedPrompt], int]

@@ -15,7 +15,7 @@ from backend.context.blocks import Block
 from backend.context.builder import HistoryMessage, message_segments
 from backend.context.rules import DEFAULT_RULES, RuleSet
 from backend.context.splitter import Splitter, word_count
-from backend.db.models import MessageRole
+from backend.domain import MessageRole
 from backend.engine_client.values import SegmentedPrompt
 
 _ROLES = {r.value for r in MessageRole}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 
-from backend.db.models import KeyKind
+from backend.domain import KeyKind
 
 _PREFIX = {KeyKind.CHAT: "kvc_chat_", KeyKind.ADMIN: "kvc_admin_"}
 

@@ -1,10 +1,10 @@
-"""ORM models. The schema itself only ever changes through Alembic (migrations/versions)."""
+"""ORM models. The schema itself only ever changes through Alembic (migrations/versions). The values their string
+columns hold (statuses, roles, reasons) are the enums of ``backend/domain.py``."""
 
 from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from enum import StrEnum
 
 from sqlalchemy import (
     BigInteger,
@@ -21,6 +21,8 @@ from sqlalchemy import (
     false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from backend.domain import HistoryPolicy, MessageStatus, SessionStatus
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -41,55 +43,6 @@ def new_id() -> str:
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-
-
-class KeyKind(StrEnum):
-    CHAT = "chat"  # customers' chat clients and the OpenAI-compatible API
-    ADMIN = "admin"  # the admin REST API and dashboard
-
-
-class SessionStatus(StrEnum):
-    BOT_ACTIVE = "bot_active"
-    AGENT_REQUESTED = "agent_requested"
-    RESOLVED = "resolved"
-    CLOSED = "closed"
-
-
-class MessageRole(StrEnum):
-    USER = "user"
-    ASSISTANT = "assistant"
-    SYSTEM = "system"
-
-
-class MessageStatus(StrEnum):
-    COMPLETE = "complete"
-    INCOMPLETE = "incomplete"
-    CANCELLED = "cancelled"
-    # NOTE: on a user message only: the bot owes it a reply (set when the turn is decided, cleared in the reply's
-    # transaction), so a restart finds the turns a crash cut off.
-    AWAITING_REPLY = "awaiting_reply"
-
-
-class HistoryPolicy(StrEnum):
-    """Which history the context builder sends (issue 21): everything, the current epoch in full, or a budget."""
-
-    FULL = "full"
-    EPOCH = "epoch"  # earlier epochs reduced to their identifier and clause blocks
-    BUDGET = "budget"  # the oldest turns go first
-
-
-class InvalidationReason(StrEnum):
-    """Why cached context was freed; one row of ``invalidation_events`` each time."""
-
-    PINNED_CONTEXT_EDITED = "pinned_context_edited"
-    MESSAGE_DELETED = "message_deleted"
-    MESSAGE_REDACTED = "message_redacted"
-    EPOCH_DROPPED = "epoch_dropped"
-    SESSION_CLOSED = "session_closed"
-    SESSION_TIMED_OUT = "session_timed_out"
-    ADMIN_FLUSH = "admin_flush"  # an admin flushed a session's cache, or the whole tenant's
-    TENANT_PROMPT_EDITED = "tenant_prompt_edited"  # the system prompt or policy text (every prompt's part 1) changed
-    SESSION_ERASED = "session_erased"  # an admin deleted the session: its blocks left every tier
 
 
 class Tenant(Base):

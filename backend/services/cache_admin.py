@@ -23,6 +23,7 @@ Decisions:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -32,7 +33,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from backend.context.builder import PREFIX_TYPES, prefix_prompt
 from backend.core.errors import InvalidCacheSettingsError, NamespaceSharedError, PinRefusedError, TenantNotFoundError
 from backend.core.namespaces import CacheScope, Namespaces
-from backend.db.models import InvalidationReason, Tenant
+from backend.db.models import Tenant
+from backend.domain import InvalidationReason
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import ErasureResult, InvalidationResult, InvalidRequestError, PinResult
 from backend.services import context_store
@@ -88,7 +90,9 @@ async def flush_session(
     await store.get_session(db, tenant.id, session_id)
     reason = InvalidationReason.ADMIN_FLUSH
     namespace = namespace_of(namespaces, tenant)
-    result = engine.invalidate(namespace, session=session_id, from_position=0, reason=reason.value)
+    result = await asyncio.to_thread(
+        engine.invalidate, namespace, session=session_id, from_position=0, reason=reason.value
+    )
     await _record(db, tenant.id, session_id, reason, result.blocks_freed, result.tokens_freed)
     return result
 
@@ -103,7 +107,7 @@ async def flush_tenant(
             "private first"
         )
     reason = InvalidationReason.ADMIN_FLUSH
-    result = engine.flush_namespace(namespace_of(namespaces, tenant), reason=reason.value)
+    result = await asyncio.to_thread(engine.flush_namespace, namespace_of(namespaces, tenant), reason.value)
     await _record(db, tenant.id, None, reason, result.blocks_freed, result.tokens_freed)
     return result
 
@@ -155,7 +159,7 @@ async def prefix_edited(
     freed: InvalidationResult | None = None
     if CacheScope(tenant.cache_scope) is CacheScope.PRIVATE:
         reason = InvalidationReason.TENANT_PROMPT_EDITED
-        freed = engine.flush_namespace(namespace_of(namespaces, tenant), reason=reason.value)
+        freed = await asyncio.to_thread(engine.flush_namespace, namespace_of(namespaces, tenant), reason.value)
         await context_store.record_invalidation(
             db, tenant.id, None, reason, actor, freed.blocks_freed, freed.tokens_freed
         )

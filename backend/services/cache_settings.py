@@ -7,6 +7,7 @@ engine serves every tenant, so these settings are every tenant's at once.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ def current(engine: EngineClient) -> CacheSettings:
     return engine.cache_settings()
 
 
-def configure(engine: EngineClient, changes: Mapping[str, Any]) -> CacheSettings:
+async def configure(engine: EngineClient, changes: Mapping[str, Any]) -> CacheSettings:
     """Apply ``changes`` (the fields given; the rest keep their value) and return the settings now in force.
 
     A value the engine refuses changes nothing and is an ``InvalidCacheSettingsError`` (422) with the engine's reason.
@@ -27,7 +28,8 @@ def configure(engine: EngineClient, changes: Mapping[str, Any]) -> CacheSettings
     if not changes:
         return engine.cache_settings()
     try:
-        return engine.configure_cache(**changes)
+        # NOTE: off the event loop: a lower disk cap deletes files
+        return await asyncio.to_thread(engine.configure_cache, **changes)
     except InvalidRequestError as exc:
         raise InvalidCacheSettingsError(str(exc)) from exc
 

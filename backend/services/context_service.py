@@ -21,6 +21,7 @@ Each database step is one short session; splitting, similarity and tokenizing ru
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,15 +46,8 @@ from backend.context.topic import ShiftScorer, TopicSettings, TopicState, TopicT
 from backend.core.errors import TenantNotFoundError
 from backend.core.namespaces import Namespaces
 from backend.core.offload import run_cpu
-from backend.db.models import (
-    ChatSession,
-    InvalidationReason,
-    Message,
-    MessageRole,
-    MessageStatus,
-    SemanticBlock,
-    Tenant,
-)
+from backend.db.models import ChatSession, Message, SemanticBlock, Tenant
+from backend.domain import InvalidationReason, MessageRole, MessageStatus
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import InvalidationResult, SegmentedPrompt, TokenizedPrompt
 from backend.services import context_store
@@ -351,8 +345,8 @@ class ContextService:
         """Free the session's cached blocks from token ``from_position`` on (and their dependents); store the event."""
         async with self._sm() as db:
             namespace = await self.namespace_of(db, tenant_id)
-            result = self._engine.invalidate(
-                namespace, session=session_id, from_position=from_position, reason=reason.value
+            result = await asyncio.to_thread(
+                self._engine.invalidate, namespace, session=session_id, from_position=from_position, reason=reason.value
             )
             await context_store.record_invalidation(
                 db, tenant_id, session_id, reason, actor, result.blocks_freed, result.tokens_freed

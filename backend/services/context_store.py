@@ -24,15 +24,14 @@ from backend.context.topic import TopicSettings, TopicUpdate
 from backend.core.offload import run_cpu
 from backend.db.models import (
     ChatSession,
-    HistoryPolicy,
     InvalidationEvent,
-    InvalidationReason,
     Message,
     SemanticBlock,
     SplitterRule,
     TenantContextSettings,
     TopicHistory,
 )
+from backend.domain import HistoryPolicy, InvalidationReason
 
 log = logging.getLogger("kvchat.context")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.core.security import hash_key
-from backend.db.models import KeyKind
+from backend.domain import KeyKind
 from backend.services.revocation import KeyWatch
 from backend.services.tenants import KeyOwner, authenticate_key
 

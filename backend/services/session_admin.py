@@ -2,24 +2,49 @@
 temperature history, invalidations, cache footprint), change a status, delete one.
 
 Every function takes the admin's tenant id and only ever reaches that tenant's sessions (another tenant's session is
-``SessionNotFoundError``, the same answer as a session that does not exist).
+``SessionNotFoundError``, the same answer as a session that does not exist). What reaches a live session (its status
+announced to its sockets, its reply in flight stopped, its engine cache) goes through the chat service, which the
+caller passes in as a ``LiveChat``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Protocol
 
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from backend.chat.service import ChatService
 from backend.context.blocks import Block
-from backend.db.models import ChatSession, InvalidationEvent, Message, SessionStatus, TopicHistory
+from backend.db.models import ChatSession, InvalidationEvent, Message, TopicHistory
+from backend.domain import InvalidationReason, SessionStatus
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import CacheFootprint, ErasureResult, InvalidationResult
 from backend.services import cache_admin, context_store
 from backend.services import sessions as store
+from backend.services.context_service import ContextService
+
+
+class LiveChat(Protocol):
+    """What the admin asks of the chat service (``backend.chat.service.ChatService`` is the one) for a live session.
+
+    NOTE: a protocol, so the services layer does not import the chat layer above it (``lint-imports``).
+    """
+
+    @property
+    def context(self) -> ContextService: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    async def set_status(
+        self, session_id: str, status: SessionStatus, reason: InvalidationReason = ..., actor: str = ...
+    ) -> None: ...
+
+    def cancel(self, session_id: str, client_msg_id: str | None) -> bool: ...
+
+    async def erase_cache(self, session_id: str, namespace: str) -> ErasureResult: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +137,7 @@ async def detail(db: AsyncSession, engine: EngineClient, tenant_id: str, session
 
 
 async def set_status(
-    db: AsyncSession, chat: ChatService, tenant_id: str, session_id: str, status: SessionStatus
+    db: AsyncSession, chat: LiveChat, tenant_id: str, session_id: str, status: SessionStatus
 ) -> ChatSession:
     """Set the status (closing also releases the session's engine cache); returns the session as stored now."""
     session = await store.get_session(db, tenant_id, session_id)
@@ -121,14 +146,14 @@ async def set_status(
     return session
 
 
-async def delete_session(db: AsyncSession, chat: ChatService, tenant_id: str, session_id: str) -> ErasureResult:
+async def delete_session(db: AsyncSession, chat: LiveChat, tenant_id: str, session_id: str) -> ErasureResult:
     """Erase the session: stop its reply in flight, delete its rows (messages cascade), remove its cached KV from
     every tier of the engine (an ``invalidation_events`` row, without the session, keeps the count)."""
     await store.get_session(db, tenant_id, session_id)
     namespace = await chat.context.namespace_of(db, tenant_id)
     chat.cancel(session_id, None)
     await store.delete_session(db, tenant_id, session_id)
-    erased = chat.erase_cache(session_id, namespace)
+    erased = await chat.erase_cache(session_id, namespace)
     await cache_admin.record_erasure(db, tenant_id, erased, chat.block_size)
     return erased
 
@@ -140,7 +165,7 @@ class PinnedContextEdit:
 
 
 async def set_pinned_context(
-    db: AsyncSession, chat: ChatService, tenant_id: str, session_id: str, text: str, actor: str = "admin"
+    db: AsyncSession, chat: LiveChat, tenant_id: str, session_id: str, text: str, actor: str = "admin"
 ) -> PinnedContextEdit:
     """Replace the session's pinned context, bump ``context_version``, free the cached blocks depending on it."""
     session = await store.get_session(db, tenant_id, session_id)

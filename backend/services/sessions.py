@@ -20,7 +20,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from backend.core.errors import SessionNotFoundError
-from backend.db.models import ChatSession, Message, MessageRole, MessageStatus, SessionStatus, utcnow
+from backend.db.models import ChatSession, Message, utcnow
+from backend.domain import MessageRole, MessageStatus, SessionStatus
 
 
 @dataclass(frozen=True, slots=True)

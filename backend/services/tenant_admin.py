@@ -22,7 +22,8 @@ from backend.context.topic import TopicSettings
 from backend.core.errors import RuleExistsError, RuleNotFoundError, RuleReadOnlyError
 from backend.core.namespaces import Namespaces
 from backend.core.offload import run_cpu
-from backend.db.models import ApiKey, HistoryPolicy, KeyKind, SplitterRule, Tenant
+from backend.db.models import ApiKey, SplitterRule, Tenant
+from backend.domain import HistoryPolicy, KeyKind
 from backend.engine_client.protocol import EngineClient
 from backend.services import cache_admin, context_store, tenants
 from backend.services.cache_admin import PrefixEdit

@@ -17,7 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.core.errors import KeyNotFoundError, KeyRevokedError, TenantExistsError, TenantNotFoundError
 from backend.core.security import display_prefix, generate_key, hash_key
-from backend.db.models import ApiKey, KeyKind, Tenant, utcnow
+from backend.db.models import ApiKey, Tenant, utcnow
+from backend.domain import KeyKind
 from backend.services.revocation import announce_revoked
 
 DEFAULT_TENANT = "default"

@@ -88,7 +88,7 @@ class KvchatWebsocketRunner(Runner):
         return RunnerInfo(self.name, "dev", {"dtype": info.dtype, "url": f"ws://127.0.0.1:{self._port}/ws/chat"})
 
     async def _token_for(self, tenant: str, system_prompt: str) -> str:
-        from backend.db.models import KeyKind
+        from backend.domain import KeyKind
         from backend.services.tenants import add_key, create_tenant
 
         async with self._tenant_lock:

@@ -21,7 +21,8 @@ import pytest
 import websockets
 from sqlalchemy import select
 
-from backend.db.models import KeyKind, Message
+from backend.db.models import Message
+from backend.domain import KeyKind
 from backend.services.tenants import DEFAULT_SYSTEM_PROMPT, add_key, create_tenant
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestFinished

@@ -22,7 +22,8 @@ import websockets
 from sqlalchemy import select
 from websockets.asyncio.client import ClientConnection
 
-from backend.db.models import ApiKey, KeyKind
+from backend.db.models import ApiKey
+from backend.domain import KeyKind
 from backend.services import tenants
 from engine.llm_engine import LLMEngine
 from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session, server_settings, serving

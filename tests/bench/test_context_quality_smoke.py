@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.db.models import MessageRole
+from backend.domain import MessageRole
 from bench import context_quality
 from bench.context_quality import Turn, scored_replies
 from bench.datasets import CONVERSATIONS, read_text

@@ -26,7 +26,7 @@ import pytest
 import websockets
 from scipy.stats import mannwhitneyu
 
-from backend.db.models import KeyKind
+from backend.domain import KeyKind
 from backend.services.tenants import add_key, create_tenant
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine

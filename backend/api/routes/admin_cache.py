@@ -86,7 +86,7 @@ async def set_cache_settings(body: CacheSettingsIn, state: StateDep, request: Re
     """Change cache settings without a restart (every tenant's: operator only). Returns the settings now in force."""
     changes = body.changes()
     audit_note(request, cache_settings.describe(changes))
-    return CacheSettingsOut.of(cache_settings.configure(state.engine, changes))
+    return CacheSettingsOut.of(await cache_settings.configure(state.engine, changes))
 
 
 @router.get("/audit", response_model=list[AuditOut], responses=_OPERATOR)

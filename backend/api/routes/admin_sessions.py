@@ -19,7 +19,8 @@ from backend.chat.protocol import MessageOut
 from backend.chat.service import message_out
 from backend.context.blocks import Block
 from backend.core.limits import ExternalRef, QueryOffset, SafeText, SessionId
-from backend.db.models import ChatSession, InvalidationEvent, SessionStatus, TopicHistory
+from backend.db.models import ChatSession, InvalidationEvent, TopicHistory
+from backend.domain import SessionStatus
 from backend.engine_client.values import InvalidationResult
 from backend.services import cache_admin, session_admin
 from backend.services.session_admin import SessionDetail, SessionQuery

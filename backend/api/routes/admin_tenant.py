@@ -15,7 +15,8 @@ from backend.api.deps import AdminDep, DbDep, StateDep, audit_note, audited
 from backend.api.routes.admin_sessions import FlushOut
 from backend.core.limits import SafeText
 from backend.core.namespaces import CacheScope
-from backend.db.models import ApiKey, HistoryPolicy, KeyKind, Tenant
+from backend.db.models import ApiKey, Tenant
+from backend.domain import HistoryPolicy, KeyKind
 from backend.services import cache_admin, tenant_admin, tenants
 from backend.services.cache_admin import PrefixEdit, TenantCache, TenantCacheChange
 from backend.services.context_store import ContextSettings

@@ -14,7 +14,8 @@ from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials
 
 from backend.api.deps import BEARER, StateDep, bearer_token
-from backend.db.models import KeyKind, Tenant
+from backend.db.models import Tenant
+from backend.domain import KeyKind
 from backend.openai.errors import OpenAIRoute, unauthorized
 from backend.openai.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse, ModelCard, ModelList
 

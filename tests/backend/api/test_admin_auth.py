@@ -18,7 +18,7 @@ import pytest
 import websockets
 
 from backend.db.engine import create_db_engine, create_sessionmaker
-from backend.db.models import KeyKind
+from backend.domain import KeyKind
 from backend.services import tenants
 from engine.llm_engine import LLMEngine
 from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, server_settings, serving

@@ -12,7 +12,8 @@ import pytest
 import websockets
 from sqlalchemy import select
 
-from backend.db.models import InvalidationEvent, KeyKind, TopicHistory
+from backend.db.models import InvalidationEvent, TopicHistory
+from backend.domain import KeyKind
 from backend.services import context_store, tenants
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestFinished

@@ -17,7 +17,8 @@ import pytest
 import websockets
 
 from backend.db.engine import create_db_engine, create_sessionmaker
-from backend.db.models import InvalidationEvent, InvalidationReason, TopicHistory, utcnow
+from backend.db.models import InvalidationEvent, TopicHistory, utcnow
+from backend.domain import InvalidationReason
 from backend.services import stats, tenants
 from backend.services.sessions import create_session
 from engine.llm_engine import LLMEngine

@@ -20,7 +20,8 @@ from sqlalchemy import select
 from test_admin_cache import connect
 
 from backend.core.namespaces import SECRET_FILE, CacheScope, cache_namespace
-from backend.db.models import InvalidationEvent, KeyKind
+from backend.db.models import InvalidationEvent
+from backend.domain import KeyKind
 from backend.services import cache_admin, tenants
 from engine.llm_engine import LLMEngine
 from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session, free_port, server_settings, serving
@@ -149,7 +150,7 @@ async def test_every_engine_call_carries_the_namespace_the_server_derived(
 ) -> None:
     tenant_id = (await tenant_of(live, A))["id"]
     expected = cache_namespace(tenant_id, secret_of(live), CacheScope.PRIVATE)
-    submits = Spy(monkeypatch, tiny_engine, "submit")
+    requests = Spy(monkeypatch, tiny_engine, "generate")
     invalidations = Spy(monkeypatch, tiny_engine, "invalidate")
     erasures = Spy(monkeypatch, tiny_engine, "erase_session")
     session_id, _ = await one_turn(live, CHAT_TOKEN, PARCEL)
@@ -167,7 +168,7 @@ async def test_every_engine_call_carries_the_namespace_the_server_derived(
         assert resp.status_code == 200, resp.text
         assert (await http.post(f"/admin/sessions/{session_id}/flush", headers=A)).status_code == 200
         assert (await http.delete(f"/admin/sessions/{session_id}", headers=A)).status_code == 200
-    assert [call[2] for call in submits.calls] == [expected, expected]
+    assert [call[2] for call in requests.calls] == [expected, expected]
     assert [call[0] for call in invalidations.calls] == [expected]
     assert erasures.calls == [(session_id, expected)]
     assert expected != tenant_id

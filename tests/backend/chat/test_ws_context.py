@@ -20,7 +20,8 @@ from test_ws_chat import TIMEOUT, Chat
 from backend.context.blocks import BlockType
 from backend.context.rules import Rule
 from backend.context.topic import TopicSettings
-from backend.db.models import HistoryPolicy, InvalidationEvent, Message, SemanticBlock, Tenant, TopicHistory
+from backend.db.models import InvalidationEvent, Message, SemanticBlock, Tenant, TopicHistory
+from backend.domain import HistoryPolicy
 from backend.services import context_store
 from backend.services.context_store import ContextSettings
 from backend.services.tenants import DEFAULT_TENANT

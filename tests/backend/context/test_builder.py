@@ -24,7 +24,7 @@ from backend.context.builder import (
 from backend.context.rules import DEFAULT_RULES, RuleSet
 from backend.context.splitter import Splitter, word_count
 from backend.context.topic import identifier_keys
-from backend.db.models import HistoryPolicy, MessageRole
+from backend.domain import HistoryPolicy, MessageRole
 from engine.llm_engine import LLMEngine
 from engine.prompt import SegmentedPrompt
 

@@ -14,16 +14,8 @@ from backend.context.rules import DEFAULT_RULES, Rule, RuleSet
 from backend.context.splitter import Splitter, word_count
 from backend.context.topic import TopicSettings, TopicUpdate
 from backend.db.engine import create_db_engine, create_sessionmaker
-from backend.db.models import (
-    ChatSession,
-    HistoryPolicy,
-    InvalidationEvent,
-    InvalidationReason,
-    Message,
-    SemanticBlock,
-    SplitterRule,
-    Tenant,
-)
+from backend.db.models import ChatSession, InvalidationEvent, Message, SemanticBlock, SplitterRule, Tenant
+from backend.domain import HistoryPolicy, InvalidationReason
 from backend.services import context_store as store
 
 pytestmark = pytest.mark.anyio

@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from backend.db.models import KeyKind
+from backend.domain import KeyKind
 from backend.services.tenants import add_key, create_tenant
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine

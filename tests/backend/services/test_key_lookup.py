@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from backend.db.engine import create_db_engine, create_sessionmaker
-from backend.db.models import KeyKind
+from backend.domain import KeyKind
 from backend.services.key_lookup import TTL_S, KeyLookup
 from backend.services.revocation import KeyWatch
 from backend.services.tenants import bootstrap_default_tenant

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from backend.db.engine import create_db_engine, create_sessionmaker
-from backend.db.models import SessionStatus
+from backend.domain import SessionStatus
 from backend.services import session_admin, tenants
 from backend.services.session_admin import SessionQuery
 from backend.services.sessions import create_session

@@ -11,7 +11,8 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.db.engine import create_db_engine, create_sessionmaker
-from backend.db.models import Message, MessageStatus
+from backend.db.models import Message
+from backend.domain import MessageStatus
 from backend.services import sessions as store
 from backend.services.tenants import bootstrap_default_tenant
 

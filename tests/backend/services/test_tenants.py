@@ -6,7 +6,8 @@ import pytest
 from sqlalchemy import func, select
 
 from backend.db.engine import create_db_engine, create_sessionmaker
-from backend.db.models import ApiKey, KeyKind, Tenant
+from backend.db.models import ApiKey, Tenant
+from backend.domain import KeyKind
 from backend.services.tenants import authenticate, bootstrap_default_tenant
 
 pytestmark = pytest.mark.anyio

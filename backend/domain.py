@@ -1,0 +1,56 @@
+"""The words the layers share: the statuses, roles, policies and reasons the database stores as strings and the chat,
+the context layer and the admin API speak in. Plain enums, so the context layer needs no database import.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class KeyKind(StrEnum):
+    CHAT = "chat"  # customers' chat clients and the OpenAI-compatible API
+    ADMIN = "admin"  # the admin REST API and dashboard
+
+
+class SessionStatus(StrEnum):
+    BOT_ACTIVE = "bot_active"
+    AGENT_REQUESTED = "agent_requested"
+    RESOLVED = "resolved"
+    CLOSED = "closed"
+
+
+class MessageRole(StrEnum):
+    USER = "user"
+    ASSISTANT = "assistant"
+    SYSTEM = "system"
+
+
+class MessageStatus(StrEnum):
+    COMPLETE = "complete"
+    INCOMPLETE = "incomplete"
+    CANCELLED = "cancelled"
+    # NOTE: on a user message only: the bot owes it a reply (set when the turn is decided, cleared in the reply's
+    # transaction), so a restart finds the turns a crash cut off.
+    AWAITING_REPLY = "awaiting_reply"
+
+
+class HistoryPolicy(StrEnum):
+    """Which history the context builder sends (issue 21): everything, the current epoch in full, or a budget."""
+
+    FULL = "full"
+    EPOCH = "epoch"  # earlier epochs reduced to their identifier and clause blocks
+    BUDGET = "budget"  # the oldest turns go first
+
+
+class InvalidationReason(StrEnum):
+    """Why cached context was freed; one row of ``invalidation_events`` each time."""
+
+    PINNED_CONTEXT_EDITED = "pinned_context_edited"
+    MESSAGE_DELETED = "message_deleted"
+    MESSAGE_REDACTED = "message_redacted"
+    EPOCH_DROPPED = "epoch_dropped"
+    SESSION_CLOSED = "session_closed"
+    SESSION_TIMED_OUT = "session_timed_out"
+    ADMIN_FLUSH = "admin_flush"  # an admin flushed a session's cache, or the whole tenant's
+    TENANT_PROMPT_EDITED = "tenant_prompt_edited"  # the system prompt or policy text (every prompt's part 1) changed
+    SESSION_ERASED = "session_erased"  # an admin deleted the session: its blocks left every tier
