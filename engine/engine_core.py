@@ -82,7 +82,11 @@ class EngineCore:
         pool_tokens = info.num_blocks * info.block_size
         encoder = PromptEncoder(tokenizer, info.vocab_size, info.max_model_len, pool_tokens)
         kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        scheduler = Scheduler(SchedulerConfig.from_engine_config(config), kv)
+        from engine.model import kernels
+
+        chunk = config.long_prefill_chunk
+        chunk = kernels.prefill_chunk(runner.dtype, runner.device.type) if chunk is None else chunk
+        scheduler = Scheduler(SchedulerConfig.from_engine_config(config, chunk), kv)
         cache = CacheControl(kv, info.fingerprint, config.cache_settings, lock, lambda: table.seqs())
         table = RequestTable(scheduler, cache, info.max_model_len)
         grammar = GrammarCompiler(tokenizer.hf, info.vocab_size, tokenizer.eos_token_ids)

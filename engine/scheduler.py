@@ -6,6 +6,10 @@ One ``schedule()`` call plans one model step:
 2. running sequences still prefilling (a chunk each), within the step's token budget;
 3. waiting sequences, first come first served, while the budget, ``max_num_seqs`` and the pool allow.
 
+While other sequences are in flight, a prefill chunk takes at most ``long_prefill_chunk`` tokens of the step (alone,
+a prompt takes the whole budget): a long cold prompt then advances a chunk a step beside the others, and a new
+turn's short prefill or a decode waits behind one such chunk, not behind the whole budget's worth.
+
 When the pool runs out for a running sequence, the most recently admitted running sequence is preempted: its blocks
 are freed and it goes back to the front of the waiting queue, to be recomputed later (its published blocks usually
 make that a prefix hit).
@@ -33,6 +37,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_waiting: int = 256
     block_size: int = 16
+    # NOTE: the longest prefill chunk of a step that has other sequences in flight (0: no cap, the budget). The
+    # engine sets it per CPU kind and dtype (engine.model.kernels.prefill_chunk): a chunk a step costs ~200 ms there.
+    long_prefill_chunk: int = 0
     # NOTE: a constant retry hint: the queue drains at a rate that depends on prompt and output lengths the caller
     # cannot see, and a constant is honest and predictable; clients add their own jitter.
     retry_after_s: float = 1.0
@@ -44,14 +51,17 @@ class SchedulerConfig:
             "max_waiting": self.max_waiting >= 1,
             "block_size": self.block_size >= 1,
             "retry_after_s": self.retry_after_s >= 0,
+            "long_prefill_chunk": self.long_prefill_chunk >= 0,
         }
         for name, ok in checks.items():
             if not ok:
                 raise InvalidRequestError(f"invalid scheduler config: {name}={getattr(self, name)!r}")
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
-        return cls(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting, config.block_size)
+    def from_engine_config(cls, config: EngineConfig, long_prefill_chunk: int = 0) -> SchedulerConfig:
+        """The scheduler's part of ``config``; ``long_prefill_chunk`` as resolved for this machine (see the field)."""
+        blocks = (config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting, config.block_size)
+        return cls(*blocks, long_prefill_chunk=long_prefill_chunk)
 
 
 @dataclass(slots=True)
@@ -193,7 +203,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop, already planned, or waiting for its sampled token
             if (remaining == 1) != decodes:
                 continue
-            num_new = min(remaining, step.budget)
+            num_new = min(remaining, step.budget, self._chunk_cap())
             if self._reserve(seq, num_new, step):
                 self._plan(seq, num_new, step)
 
@@ -216,7 +226,7 @@ class Scheduler:
             match = MatchResult(num_query_tokens=seq.num_tokens)
         else:
             match = self.kv.match_prefix(seq.root, seq.all_token_ids)
-        num_new = min(seq.num_tokens - match.num_cached_tokens, step.budget)
+        num_new = min(seq.num_tokens - match.num_cached_tokens, step.budget, self._chunk_cap())
         if not self.kv.allocate_slots(seq.request_id, match.num_cached_tokens + num_new, match, seq.spans):
             if self.running:
                 return False  # FCFS: the head waits for blocks; nobody overtakes it
@@ -236,6 +246,13 @@ class Scheduler:
         self.running.append(seq)
         self._plan(seq, num_new, step)
         return True
+
+    def _chunk_cap(self) -> int:
+        """The most tokens one prefill chunk may take now: ``long_prefill_chunk`` while another sequence is in
+        flight (running or waiting), else no cap (the step budget bounds it)."""
+        cap = self.config.long_prefill_chunk
+        alone = len(self.running) + len(self.waiting) <= 1
+        return self.config.max_num_batched_tokens if alone or cap == 0 else cap
 
     def _plan(self, seq: Sequence, num_new: int, step: _Step) -> None:
         start = seq.num_computed_tokens

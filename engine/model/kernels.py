@@ -24,7 +24,7 @@ from enum import StrEnum
 
 import torch
 
-from engine.device import cpu_flags
+from engine.device import cpu_flags, cpu_kind
 
 
 class Op(StrEnum):
@@ -97,6 +97,16 @@ TORCH_DTYPES = {F32, BF16, torch.float16}
 # Xeon (docs/benchmarks.md) F.linear wins by 4-10 % at 384-512 rows, loses by 13 % at 640, is even at 768, wins by
 # 2-8 % at 1024 and by ~30 % from 1536: from 1024 it wins at every size measured.
 WIDE_ROWS = 1024
+
+# NOTE: the longest prefill chunk of a step while other requests are in flight (``SchedulerConfig.long_prefill_chunk``)
+# by CPU kind and dtype: about 200 ms of prefill there (Zen 5, SmolLM2: 512 rows 211 ms in bf16, 256 rows ~200 ms in
+# fp32; bench.roofline), so a new turn or a decode waits behind one such chunk of someone's long cold prompt, not
+# behind a whole 2048-token step (~1.2 s in bf16). A prompt alone still takes the whole budget. Kinds not listed were
+# not measured with it and keep no cap.
+PREFILL_CHUNKS: dict[tuple[str, torch.dtype], int] = {
+    ("AVX-512 + AVX512-BF16", BF16): 512,
+    ("AVX-512 + AVX512-BF16", F32): 256,
+}
 
 TABLE: tuple[Impl, ...] = (
     # --- linear: the weight layout is chosen at load; then the row count picks the kernel that reads it
@@ -293,6 +303,11 @@ def linear_plan(layout: Layout, dtype: torch.dtype) -> tuple[tuple[Impl, ctypes.
         (i, lib) for i, lib in candidates(Op.LINEAR, dtype, None, opt_in=True) if i.layout in (layout, Layout.DENSE)
     ]
     return tuple((i, lib) for i, lib in rows if i.layout is layout or layout is not Layout.BF16_PANELS)
+
+
+def prefill_chunk(dtype: torch.dtype, device: str = "cpu", flags: frozenset[str] | None = None) -> int:
+    """The longest prefill chunk of a step beside other requests for this CPU kind and dtype (0: no cap)."""
+    return PREFILL_CHUNKS.get((cpu_kind(flags), dtype), 0) if device == "cpu" else 0
 
 
 def row_limit(name: str, dtype: torch.dtype) -> int:

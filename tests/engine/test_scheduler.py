@@ -308,3 +308,29 @@ def test_scheduler_config_validation() -> None:
     )
     with pytest.raises(ValueError, match="block_size"):
         Scheduler(SchedulerConfig(block_size=16), KVCacheManager(4, block_size=8))
+
+
+def test_a_long_prefill_takes_the_whole_budget_alone_and_a_capped_chunk_beside_others() -> None:
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, max_waiting=8, block_size=4, long_prefill_chunk=16
+    )
+    sched = Scheduler(config, KVCacheManager(64, 4))
+    sched.add(seq("long", 150))
+    assert plan(step(sched)) == [("long", 0, 64, False)]  # alone: the whole budget
+    sched.add(seq("short", 10, start=500))
+    # beside a newcomer: a chunk of 16, and the newcomer's prefill in the same step (it is short: not capped)
+    assert plan(step(sched)) == [("long", 64, 16, False), ("short", 0, 10, True)]
+    assert plan(step(sched)) == [("short", 10, 1, True), ("long", 80, 16, False)]
+
+
+def test_without_a_cap_a_long_prefill_takes_what_the_budget_leaves() -> None:
+    sched = make(budget=64)
+    sched.add(seq("long", 150))
+    step(sched)
+    sched.add(seq("short", 10, start=500))
+    assert plan(step(sched)) == [("long", 64, 64, False)]  # (the newcomer waits for the next step)
+
+
+def test_the_chunk_cap_must_not_be_negative() -> None:
+    with pytest.raises(InvalidRequestError, match="long_prefill_chunk"):
+        SchedulerConfig(long_prefill_chunk=-1)

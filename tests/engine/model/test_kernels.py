@@ -181,3 +181,10 @@ def test_int8_rows_serve_only_int8_weights() -> None:
         assert kernels.weight_layout(dtype, "cpu") is not Layout.INT8
         plan = [i.name for i, _ in kernels.linear_plan(Layout.INT8, dtype)]
         assert plan[0] == "int8pack_mm" and plan[-1] == "F.linear"
+
+
+def test_the_prefill_chunk_beside_other_requests_is_the_kinds_and_none_where_unmeasured() -> None:
+    zen = frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})
+    assert kernels.prefill_chunk(BF16, flags=zen) == 512 and kernels.prefill_chunk(F32, flags=zen) == 256
+    assert kernels.prefill_chunk(BF16, flags=zen | {"amx_bf16", "amx_tile"}) == 0  # (not measured with a cap)
+    assert kernels.prefill_chunk(BF16, "cuda", flags=zen) == 0
