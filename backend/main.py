@@ -34,7 +34,8 @@ from backend.api.routes import (
 from backend.api.routes import metrics as metrics_route
 from backend.api.state import AppState
 from backend.chat.hub import SessionHub
-from backend.chat.service import ChatService, ReplyConfig
+from backend.chat.service import ChatService
+from backend.chat.turn import ReplyConfig
 from backend.core.admission import Admission
 from backend.core.config import Settings
 from backend.core.errors import one_line_reason

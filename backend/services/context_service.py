@@ -22,6 +22,7 @@ Each database step is one short session; splitting, similarity and tokenizing ru
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,10 +44,10 @@ from backend.context.scorers import make_scorer
 from backend.context.similarity import MiniLMSimilarity
 from backend.context.splitter import Splitter
 from backend.context.topic import ShiftScorer, TopicSettings, TopicState, TopicTracker, TopicUpdate, identifier_keys
-from backend.core.errors import TenantNotFoundError
+from backend.core.errors import SessionNotFoundError, TenantNotFoundError
 from backend.core.namespaces import Namespaces
 from backend.core.offload import run_cpu
-from backend.db.models import ChatSession, Message, SemanticBlock, Tenant
+from backend.db.models import ChatSession, Message, Tenant, TenantContextSettings
 from backend.domain import InvalidationReason, MessageRole, MessageStatus
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import InvalidationResult, SegmentedPrompt, TokenizedPrompt
@@ -61,7 +62,7 @@ SYSTEM_ACTOR = "system"
 
 @dataclass(frozen=True, slots=True)
 class SessionContext:
-    """What one turn reads from the database, in one short session."""
+    """What one turn reads from the database: one short session, five queries whatever the history's length."""
 
     tenant_id: str
     session_id: str
@@ -78,6 +79,29 @@ class SessionContext:
     block_ids: dict[BlockKey, int]
     settings: ContextSettings
     rules: RuleSet
+    version: int  # the session's change count when it was read (``ContextService.is_current``)
+
+    def observed(self, seq: int, update: TopicUpdate, blocks: Sequence[Block], ids: Sequence[int]) -> SessionContext:
+        """This context after customer message ``seq`` was observed (``update``, its ``blocks`` stored as ``ids``):
+        what reading it again would give, without reading it again."""
+        return dataclasses.replace(
+            self,
+            epoch=update.epoch,
+            temperature=update.temperature,
+            # NOTE: seq is the newest message in conversation order: no later one inherits its epoch.
+            epochs={**self.epochs, seq: update.epoch},
+            temperatures={**self.temperatures, seq: update.temperature},
+            blocks=[*self.blocks, *blocks],
+            block_ids={**self.block_ids, **{b.key: i for b, i in zip(blocks, ids, strict=True)}},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """A customer message observed: the topic update, and the session's context with the message's blocks."""
+
+    update: TopicUpdate
+    context: SessionContext
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,30 +203,33 @@ class ContextService:
         # NOTE: in memory: after a restart the first turn of a session has nothing to compare with, and a drop then
         # goes unnoticed; its blocks age out of the cache like any unused block.
         self._last: dict[str, LastPrompt] = {}
+        self._versions: dict[str, int] = {}  # session -> writes the chat announced (``changed``)
 
     # ------------------------------------------------------------------ messages
 
-    async def observe_customer(self, tenant_id: str, session_id: str, message: Message) -> TopicUpdate:
-        """Move the session's topic with a new customer message and store the message's blocks (committed)."""
+    async def observe_customer(self, tenant_id: str, session_id: str, message: Message) -> Observation:
+        """Move the session's topic with a new customer message and store the message's blocks (committed).
+
+        Returns the context as it stands after: the turn answering the message builds its prompt from it, unless
+        the session changed meanwhile (``is_current``).
+        """
         async with self._sm() as db:
             ctx = await self.load(db, tenant_id, session_id)
         update, blocks = await run_cpu(tenant_id, self._observe_customer, ctx, message)
         async with self._sm() as db:
-            await context_store.save_blocks(db, session_id, message.id, blocks)
+            ids = await context_store.save_blocks(db, session_id, message.id, blocks)
             await context_store.record_topic(db, session_id, message.seq, update)
             await db.commit()
         # NOTE: an eviction hint: when memory runs short, the engine lets a cold topic's blocks go first.
         self._engine.set_session_temperature(session_id, update.temperature)
-        return update
+        return Observation(update, ctx.observed(message.seq, update, blocks, ids))
 
-    async def observe_reply(self, tenant_id: str, session_id: str, message: Message, epoch: int) -> None:
-        """Store a reply's blocks (once: a replayed reply already has them)."""
-        if not message.content:
+    async def observe_reply(self, ctx: SessionContext, message: Message, epoch: int) -> None:
+        """Store a reply's blocks (once: a replayed reply already has them); ``ctx`` is the context its prompt was
+        built from (the splitter's rules and the earlier blocks it may refer back to)."""
+        if not message.content or any(b.key.seq == message.seq for b in ctx.blocks):
             return
-        async with self._sm() as db:
-            ctx = await self.load(db, tenant_id, session_id)
-        if any(b.key.seq == message.seq for b in ctx.blocks):
-            return
+        tenant_id, session_id = ctx.tenant_id, ctx.session_id
         blocks = await run_cpu(tenant_id, self._observe_reply, ctx, message, epoch)
         async with self._sm() as db:
             await context_store.save_blocks(db, session_id, message.id, blocks)
@@ -242,13 +269,27 @@ class ContextService:
 
     # ------------------------------------------------------------------ the turn's prompt
 
+    def changed(self, session_id: str) -> None:
+        """The chat stored a message of the session: a context read before is no longer current."""
+        self._versions[session_id] = self._versions.get(session_id, 0) + 1
+
+    def is_current(self, ctx: SessionContext) -> bool:
+        """No message of ``ctx``'s session was stored since it was read (``changed``), nor its pinned context edited.
+
+        NOTE: an admin's edit of the tenant's system prompt or policy text is not counted: it reaches the next
+        context read, as it always did for a turn whose read came just before the edit.
+        """
+        return self._versions.get(ctx.session_id, 0) == ctx.version
+
     async def load(self, db: AsyncSession, tenant_id: str, session_id: str) -> SessionContext:
-        """Everything a turn needs from the database (read only, so safe to retry)."""
-        session = await store.get_session(db, tenant_id, session_id)
-        tenant = await _tenant(db, tenant_id)
+        """Everything a turn needs from the database (read only, so safe to retry): the session with its tenant and
+        the tenant's settings, its messages, topic history and blocks, and the rules' version (five queries)."""
+        version = self._versions.get(session_id, 0)
+        session, tenant, settings = await _session_and_tenant(db, tenant_id, session_id)
         messages = await store.messages_after(db, session_id, 0)
         history = await context_store.topic_history(db, session_id)
-        blocks = await context_store.load_blocks(db, session_id)
+        rows = await context_store.load_block_rows(db, session_id)
+        blocks = [block for block, _ in rows]
         return SessionContext(
             tenant_id,
             session_id,
@@ -262,9 +303,10 @@ class ContextService:
             _epochs(messages, {row.message_seq: row.topic_epoch for row in history}),
             {row.message_seq: row.temperature for row in history},
             blocks,
-            await _block_ids(db, session_id),
-            await context_store.load_settings(db, tenant_id),
+            {block.key: block_id for block, block_id in rows},
+            settings,
             await self._rules.get(db, tenant_id),
+            version,
         )
 
     def prepare(self, ctx: SessionContext, user_seq: int, budget: int) -> PreparedPrompt:
@@ -326,7 +368,8 @@ class ContextService:
         if not previous.kept & epoch_dropped:
             return None
         position = common_prefix(previous.token_ids, prepared.token_ids)
-        return await self.invalidate(tenant_id, session_id, position, InvalidationReason.EPOCH_DROPPED, SYSTEM_ACTOR)
+        reason = InvalidationReason.EPOCH_DROPPED
+        return await self.invalidate(tenant_id, session_id, position, reason, SYSTEM_ACTOR, prepared.namespace)
 
     async def pinned_context_edited(self, tenant_id: str, session_id: str, actor: str) -> InvalidationResult:
         """Free the session's cached blocks that depend on its pinned context; store the event.
@@ -335,16 +378,24 @@ class ContextService:
         (or, when it was empty, is inserted): part 1's blocks stay, shared by every session. Without a prompt of this
         session in memory (a restart), the session's whole chain goes, save what other sessions share.
         """
+        self.changed(session_id)
         last = self._last.get(session_id)
         position = last.context_from if last is not None else 0
         return await self.invalidate(tenant_id, session_id, position, InvalidationReason.PINNED_CONTEXT_EDITED, actor)
 
     async def invalidate(
-        self, tenant_id: str, session_id: str, from_position: int, reason: InvalidationReason, actor: str
+        self,
+        tenant_id: str,
+        session_id: str,
+        from_position: int,
+        reason: InvalidationReason,
+        actor: str,
+        namespace: str | None = None,
     ) -> InvalidationResult:
-        """Free the session's cached blocks from token ``from_position`` on (and their dependents); store the event."""
+        """Free the session's cached blocks from token ``from_position`` on (and their dependents); store the event.
+        ``namespace``: the tenant's, when the caller just read it (else it is read here)."""
         async with self._sm() as db:
-            namespace = await self.namespace_of(db, tenant_id)
+            namespace = namespace or await self.namespace_of(db, tenant_id)
             result = await asyncio.to_thread(
                 self._engine.invalidate, namespace, session=session_id, from_position=from_position, reason=reason.value
             )
@@ -375,9 +426,30 @@ class ContextService:
 
     def forget(self, session_id: str) -> None:
         self._last.pop(session_id, None)
+        self._versions.pop(session_id, None)
 
     def last_prompt(self, session_id: str) -> LastPrompt | None:
         return self._last.get(session_id)
+
+
+async def _session_and_tenant(
+    db: AsyncSession, tenant_id: str, session_id: str
+) -> tuple[ChatSession, Tenant, ContextSettings]:
+    """The session (``SessionNotFoundError`` when it is not the tenant's), its tenant and the tenant's context
+    settings, in one query."""
+    row = (
+        await db.execute(
+            select(ChatSession, Tenant, TenantContextSettings)
+            .join(Tenant, Tenant.id == ChatSession.tenant_id)
+            .outerjoin(TenantContextSettings, TenantContextSettings.tenant_id == Tenant.id)
+            .where(ChatSession.id == session_id, ChatSession.tenant_id == tenant_id)
+            .execution_options(populate_existing=True)
+        )
+    ).one_or_none()
+    if row is None:
+        raise SessionNotFoundError(f"session {session_id} not found")
+    session, tenant, settings = row
+    return session, tenant, context_store.settings_of(settings)
 
 
 async def _tenant(db: AsyncSession, tenant_id: str) -> Tenant:
@@ -404,12 +476,3 @@ def _epochs(messages: Sequence[Message], customer: dict[int, int]) -> dict[int, 
             last = epochs.get(m.reply_to_seq, last)
         epochs[m.seq] = last
     return epochs
-
-
-async def _block_ids(db: AsyncSession, session_id: str) -> dict[BlockKey, int]:
-    rows = await db.execute(
-        select(Message.seq, SemanticBlock.block_index, SemanticBlock.id)
-        .join(Message, Message.id == SemanticBlock.message_id)
-        .where(SemanticBlock.session_id == session_id)
-    )
-    return {BlockKey(seq, index): block_id for seq, index, block_id in rows}

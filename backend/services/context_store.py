@@ -104,7 +104,11 @@ async def add_rule(db: AsyncSession, rule: Rule, tenant_id: str | None = None) -
 
 
 async def load_settings(db: AsyncSession, tenant_id: str) -> ContextSettings:
-    row = await db.get(TenantContextSettings, tenant_id)
+    return settings_of(await db.get(TenantContextSettings, tenant_id))
+
+
+def settings_of(row: TenantContextSettings | None) -> ContextSettings:
+    """A tenant's stored settings row (None: it never chose any) as settings, defaults filled in."""
     if row is None:
         return ContextSettings()
     topic = TopicSettings(
@@ -160,6 +164,11 @@ async def save_blocks(db: AsyncSession, session_id: str, message_id: int, blocks
 
 async def load_blocks(db: AsyncSession, session_id: str) -> list[Block]:
     """The session's blocks, oldest first, as splitter values (text cut from the stored messages)."""
+    return [block for block, _ in await load_block_rows(db, session_id)]
+
+
+async def load_block_rows(db: AsyncSession, session_id: str) -> list[tuple[Block, int]]:
+    """The session's blocks, oldest first, each with its row id (one query)."""
     rows = await db.execute(
         select(SemanticBlock, Message.seq, Message.content)
         .join(Message, Message.id == SemanticBlock.message_id)
@@ -169,16 +178,19 @@ async def load_blocks(db: AsyncSession, session_id: str) -> list[Block]:
     found = [(row[0], row[1], row[2]) for row in rows]
     keys = {block.id: BlockKey(seq, block.block_index) for block, seq, _ in found}
     return [
-        Block(
-            BlockKey(seq, b.block_index),
-            BlockType(b.block_type),
-            b.char_start,
-            b.char_end,
-            content[b.char_start : b.char_end],
-            b.token_count,
-            b.content_hash,
-            b.topic_epoch,
-            keys.get(b.parent_id) if b.parent_id is not None else None,
+        (
+            Block(
+                BlockKey(seq, b.block_index),
+                BlockType(b.block_type),
+                b.char_start,
+                b.char_end,
+                content[b.char_start : b.char_end],
+                b.token_count,
+                b.content_hash,
+                b.topic_epoch,
+                keys.get(b.parent_id) if b.parent_id is not None else None,
+            ),
+            b.id,
         )
         for b, seq, content in found
     ]

@@ -99,7 +99,7 @@ async def add_user_message(
     existing = await find_by_client_msg_id(db, session_id, client_msg_id)
     if existing is not None:
         return existing, True
-    session = await _lock_session(db, session_id)
+    await _lock_session(db, session_id)  # (its update is the session's last activity)
     status = MessageStatus.AWAITING_REPLY if awaiting_reply else MessageStatus.COMPLETE
     message = Message(
         session_id=session_id,
@@ -110,7 +110,6 @@ async def add_user_message(
         status=status.value,
     )
     db.add(message)
-    session.last_active_at = utcnow()
     try:
         await db.commit()
     except IntegrityError:
@@ -148,7 +147,7 @@ async def add_assistant_message(
     a restart wrote), that one is returned and nothing is added. ``commit_delay_s`` is a test hook: it holds the
     transaction open before the commit (crash tests widen that window with it).
     """
-    session = await _lock_session(db, session_id)
+    await _lock_session(db, session_id)  # (its update is the session's last activity)
     existing = await find_reply(db, session_id, reply_to_seq)  # NOTE: under the session lock: no race
     if existing is not None:
         db.expunge(existing)  # NOTE: kept readable: a rollback expires what the session holds
@@ -166,7 +165,6 @@ async def add_assistant_message(
         cached_tokens=usage.cached_tokens,
     )
     db.add(message)
-    session.last_active_at = utcnow()
     await db.execute(
         update(Message)
         .where(

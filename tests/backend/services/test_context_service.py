@@ -1,9 +1,18 @@
-"""The context service's process-wide topic scorers: one per name, MiniLM (and its lock) shared by its users."""
+"""The context service: its process-wide topic scorers (one per name, MiniLM and its lock shared by its users), and
+the context a customer message was observed with, which its turn reuses instead of reading it again."""
 
 from __future__ import annotations
 
+import pytest
+
 from backend.context.shift_classifier import ShiftClassifier
-from backend.services.context_service import shared_scorer
+from backend.core.namespaces import Namespaces
+from backend.db.engine import create_db_engine, create_sessionmaker
+from backend.domain import MessageStatus
+from backend.services import sessions as store
+from backend.services.context_service import ContextService, SessionContext, shared_scorer
+from backend.services.tenants import bootstrap_default_tenant
+from engine.llm_engine import LLMEngine
 
 
 def test_scorers_are_shared_per_name_and_minilm_users_share_one_encoder_and_lock() -> None:
@@ -21,3 +30,62 @@ def test_prepare_fills_the_classifiers_cache_and_is_a_no_op_for_the_others() -> 
     assert isinstance(inner, ShiftClassifier)
     assert "Your replacement ships tomorrow." in inner.embedder._cache  # type: ignore[attr-defined]
     shared_scorer("tfidf").prepare("Your replacement ships tomorrow.")  # nothing to embed: no error
+
+
+# ---------------------------------------------------------------------- one context read per turn
+
+PARCEL = "My parcel is late. Order #4061234567 was due on Monday, where is it?"
+KETTLE = "Another thing: the kettle from order #5550001111 broke. Can I return it?"
+REPLY = "I am sorry about that. Step 1: open your orders. Step 2: choose the parcel and press Track."
+
+
+@pytest.mark.anyio
+async def test_the_context_a_message_was_observed_with_is_what_reading_it_again_gives(
+    db_url: str, tiny_engine: LLMEngine
+) -> None:
+    db_engine = create_db_engine(db_url)
+    maker = create_sessionmaker(db_engine)
+    context = ContextService(maker, tiny_engine, Namespaces(b"test-secret"))
+    try:
+        tenant_id = (await bootstrap_default_tenant(maker, "c", "a")).tenant_id
+        async with maker() as db:
+            session_id = (await store.create_session(db, tenant_id)).id
+            await db.commit()
+        for n, text in enumerate([PARCEL, "Where is it now?", KETTLE]):  # the third starts a new topic epoch
+            async with maker() as db:
+                message, _ = await store.add_user_message(db, session_id, f"m{n}", text)
+            context.changed(session_id)
+            observed = await context.observe_customer(tenant_id, session_id, message)
+            async with maker() as db:
+                again = await context.load(db, tenant_id, session_id)
+            assert context.is_current(observed.context)
+            assert _contents(observed.context) == _contents(again)
+            budget = tiny_engine.prompt_limit - 16
+            assert context.prepare(observed.context, message.seq, budget) == context.prepare(again, message.seq, budget)
+            async with maker() as db:
+                reply = await store.add_assistant_message(
+                    db, session_id, message.seq, REPLY, MessageStatus.COMPLETE, store.TokenUsage()
+                )
+            context.changed(session_id)
+            assert not context.is_current(observed.context)
+            await context.observe_reply(observed.context, reply, observed.update.epoch)
+        assert observed.update.shift and observed.context.epoch == 1
+    finally:
+        await db_engine.dispose()
+
+
+def _contents(ctx: SessionContext) -> tuple[object, ...]:
+    """What a context holds, its ORM rows by their stored values."""
+    return (
+        ctx.namespace,
+        ctx.system_prompt,
+        ctx.epoch,
+        ctx.temperature,
+        [(m.seq, m.role, m.content, m.status, m.reply_to_seq) for m in ctx.messages],
+        ctx.epochs,
+        ctx.temperatures,
+        ctx.blocks,
+        ctx.block_ids,
+        ctx.settings,
+        ctx.version,
+    )

@@ -1,0 +1,108 @@
+"""What one chat turn costs the backend: the prompt is tokenized once, and the context is read from the database once
+(issue 30), through a real server on SQLite and on Postgres.
+
+The counts are of one turn after the session's first (so the session has history, blocks and a topic), from the
+``user.message`` to its ``message.completed``. SQL statements are counted on the server's database engine, except
+the SQLite revocation poll's (``api_keys``: ``backend/services/revocation.py``), which runs on its own clock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+from sqlalchemy import event
+from test_ws_chat import TIMEOUT, Chat
+
+from engine.llm_engine import LLMEngine
+from engine.tokenizer import Tokenizer
+from support.server import LiveServer, server_settings, serving
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def live(db_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveServer]:
+    with serving(server_settings(db_url, tmp_path), tiny_engine) as server:
+        yield server
+
+
+class Statements:
+    """The SQL statements the server runs, by kind (the first word), while ``counting``."""
+
+    def __init__(self) -> None:
+        self.counting = False
+        self.seen: list[str] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if self.counting and "api_keys" not in statement:
+            with self._lock:
+                self.seen.append(statement)
+
+    def by_kind(self) -> Counter[str]:
+        return Counter(s.split(None, 1)[0].upper() for s in self.seen)
+
+    def matching(self, text: str) -> int:
+        return sum(text in " ".join(s.split()) for s in self.seen)
+
+
+class TokenizerCalls:
+    """Calls of the engine tokenizer's chat-template renders (a whole prompt each) while ``counting``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.counting = False
+        self.calls: Counter[str] = Counter()
+        for name in ("apply_chat_template", "apply_chat_template_segments"):
+            monkeypatch.setattr(Tokenizer, name, self._counted(name, getattr(Tokenizer, name)))
+
+    def _counted(self, name: str, method: Any) -> Any:
+        def counted(tokenizer: Tokenizer, *args: Any, **kwargs: Any) -> Any:
+            if self.counting:
+                self.calls[name] += 1
+            return method(tokenizer, *args, **kwargs)
+
+        return counted
+
+
+async def _second_turn(live: LiveServer, statements: Statements, tokenizer: TokenizerCalls) -> dict[str, Any]:
+    async with websockets.connect(live.ws, open_timeout=TIMEOUT) as ws:
+        chat = Chat(ws)
+        await chat.hello()
+        await chat.turn("first", "My parcel is late. Order #4061234567 was due on Monday, where is it?")
+        statements.counting = tokenizer.counting = True
+        _, done = await chat.turn("second", "It still has not arrived. Can you check the tracking for me?")
+        statements.counting = tokenizer.counting = False
+    return done
+
+
+async def test_a_turn_reads_its_context_once_and_tokenizes_its_prompt_once(
+    live: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    statements = Statements()
+    tokenizer = TokenizerCalls(monkeypatch)
+    event.listen(live.state.db_engine.sync_engine, "before_cursor_execute", statements)
+    done = await _second_turn(live, statements, tokenizer)
+    assert done["status"] == "complete"
+    # the context read: five queries (the session with its tenant and settings, messages, topic history, blocks,
+    # the rules' version), once; before issue 30 the turn read it three times (45 statements in all)
+    assert statements.matching("FROM splitter_rules") == 1
+    assert statements.matching("FROM topic_history") == 1
+    assert statements.matching("JOIN tenants") == 1
+    assert statements.by_kind() == {
+        # submit 6: the session; the client_msg_id lookup; the session lock (update + select); the next seq; insert.
+        # observation 5: its blocks' parents, 2 blocks, the topic row, the session's topic.
+        # reply 6: the session lock (2); its existing reply; the next seq; insert; the message settled.
+        # reply blocks 2: their parents, 1 block.
+        "SELECT": 14,
+        "INSERT": 6,
+        "UPDATE": 4,
+    }
+    # the answerability check renders the customer's message with the system prompt; the prompt is rendered once
+    # (before issue 30: twice, the engine tokenizing the prepared prompt again)
+    assert tokenizer.calls == {"apply_chat_template": 1, "apply_chat_template_segments": 1}
