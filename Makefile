@@ -42,6 +42,7 @@ lint: install
 
 bench: install
 	$(BIN)/python -m bench.run_all
+	$(BIN)/python -m bench.roofline --markdown docs/benchmarks.md
 	$(BIN)/python -m bench.topic_shift
 	$(BIN)/python -m bench.context_quality
 
