@@ -1,5 +1,6 @@
-"""What a tenant's admin does to its chat sessions: search them, read a transcript or the whole detail (blocks,
-temperature history, invalidations, cache footprint), change a status, delete one.
+"""What a tenant's admin does to its chat sessions: search them (with their cache footprints: the dashboard's
+summary), read a transcript or the whole detail (blocks, temperature history, invalidations, cache footprint), change
+a status, delete one.
 
 Every function takes the admin's tenant id and only ever reaches that tenant's sessions (another tenant's session is
 ``SessionNotFoundError``, the same answer as a session that does not exist). What reaches a live session (its status
@@ -95,6 +96,20 @@ async def search_sessions(db: AsyncSession, tenant_id: str, q: SessionQuery) -> 
         query = query.where(ChatSession.topic_epoch == q.topic_epoch)
     query = query.order_by(ChatSession.last_active_at.desc(), ChatSession.id).limit(q.limit).offset(q.offset)
     return list((await db.execute(query)).scalars())
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSummary:
+    session: ChatSession
+    footprint: CacheFootprint | None  # its blocks cached right now; None for a closed one (its cache was released)
+
+
+async def summaries(db: AsyncSession, engine: EngineClient, tenant_id: str, q: SessionQuery) -> list[SessionSummary]:
+    """The sessions matching ``q``, each with its cache footprint: what the dashboard reads per refresh, in one call."""
+    return [
+        SessionSummary(s, None if s.status == SessionStatus.CLOSED.value else engine.session_footprint(s.id))
+        for s in await search_sessions(db, tenant_id, q)
+    ]
 
 
 async def get_session(db: AsyncSession, tenant_id: str, session_id: str) -> ChatSession:

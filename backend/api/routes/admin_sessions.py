@@ -1,5 +1,6 @@
 """Admin: search, inspect, close and delete chat sessions; export transcripts (JSON or plain text); a session's detail
-(blocks, temperature history, invalidations, cache footprint); flush a session's cache.
+(blocks, temperature history, invalidations, cache footprint); the sessions list with their footprints (what the
+dashboard reads per refresh); flush a session's cache.
 
 Each route is one call into ``backend/services/session_admin.py``; a session of another tenant is a 404, like one
 that does not exist.
@@ -10,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
@@ -23,7 +24,7 @@ from backend.db.models import ChatSession, InvalidationEvent, TopicHistory
 from backend.domain import SessionStatus
 from backend.engine_client.values import InvalidationResult
 from backend.services import cache_admin, session_admin
-from backend.services.session_admin import SessionDetail, SessionQuery
+from backend.services.session_admin import SessionDetail, SessionQuery, SessionSummary
 
 router = APIRouter(prefix="/admin/sessions", tags=["admin: sessions"])
 
@@ -148,6 +149,16 @@ class FootprintOut(BaseModel):
     tokens: int
 
 
+class SessionSummaryOut(SessionOut):
+    cache_footprint: FootprintOut | None = Field(description="blocks cached now; null for a closed session")
+
+    @classmethod
+    def of_summary(cls, s: SessionSummary) -> SessionSummaryOut:
+        f = s.footprint
+        footprint = None if f is None else FootprintOut(blocks=f.blocks, tokens=f.tokens)
+        return cls(**SessionOut.of(s.session).model_dump(), cache_footprint=footprint)
+
+
 class SessionDetailOut(BaseModel):
     session: SessionOut
     pinned_context: str
@@ -172,10 +183,7 @@ class SessionDetailOut(BaseModel):
         )
 
 
-@router.get("", response_model=list[SessionOut])
-async def list_sessions(
-    tenant: AdminDep,
-    db: DbDep,
+def session_query(
     status_filter: Annotated[SessionStatus | None, Query(alias="status")] = None,
     external_ref: Annotated[ExternalRef | None, Query(description="the customer's reference, exact")] = None,
     created_after: Annotated[datetime | None, Query()] = None,
@@ -185,9 +193,9 @@ async def list_sessions(
     topic_epoch: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[QueryOffset, Query()] = 0,
-) -> list[SessionOut]:
-    """The tenant's sessions, most recently active first, filtered and paged."""
-    query = SessionQuery(
+) -> SessionQuery:
+    """The sessions list's filters and page, from the query string."""
+    return SessionQuery(
         status_filter,
         external_ref,
         created_after,
@@ -198,7 +206,25 @@ async def list_sessions(
         limit,
         offset,
     )
+
+
+SessionQueryDep = Annotated[SessionQuery, Depends(session_query)]
+
+
+@router.get("", response_model=list[SessionOut])
+async def list_sessions(tenant: AdminDep, db: DbDep, query: SessionQueryDep) -> list[SessionOut]:
+    """The tenant's sessions, most recently active first, filtered and paged."""
     return [SessionOut.of(s) for s in await session_admin.search_sessions(db, tenant.id, query)]
+
+
+# NOTE: declared before "/{session_id}", which would take "summary" for a session id.
+@router.get("/summary", response_model=list[SessionSummaryOut])
+async def sessions_summary(
+    tenant: AdminDep, db: DbDep, state: StateDep, query: SessionQueryDep
+) -> list[SessionSummaryOut]:
+    """The sessions list with each open session's cache footprint: one call per dashboard refresh."""
+    summaries = await session_admin.summaries(db, state.engine, tenant.id, query)
+    return [SessionSummaryOut.of_summary(s) for s in summaries]
 
 
 @router.get("/{session_id}", response_model=SessionOut)

@@ -12,12 +12,13 @@ import pytest
 import websockets
 from sqlalchemy import select
 
+from backend.core.config import Settings
 from backend.db.models import InvalidationEvent, TopicHistory
 from backend.domain import KeyKind
 from backend.services import context_store, tenants
+from backend.services.reply_settings import defaults_of
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestFinished
-from engine.sampling_params import SamplingParams
 from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session
 from support.ws_chat import Chat
 
@@ -63,8 +64,9 @@ def prompt_ids(live: LiveServer, session_id: str) -> list[int]:
     return list(last.token_ids)
 
 
-async def cold_run(engine: LLMEngine, prompt: list[int], max_tokens: int) -> RequestFinished:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0)
+async def cold_run(engine: LLMEngine, prompt: list[int], settings: Settings) -> RequestFinished:
+    """The reply the chat's default reply settings give ``prompt`` with nothing cached."""
+    params = defaults_of(settings).params(settings.reply_max_tokens)
     finished = None
     async for event in engine.generate(prompt, params, namespace=f"cold-{uuid.uuid4().hex}"):
         if isinstance(event, RequestFinished):
@@ -114,12 +116,39 @@ async def test_flushing_a_session_frees_its_own_blocks_and_keeps_the_shared_pref
         # the next turn works: only the shared system prompt hits, and it equals a cold run of the same prompt
         t1b = await one.turn("Any news?")
         assert t1b["usage"]["cached_tokens"] == shared * block
-        cold = await cold_run(tiny_engine, prompt_ids(live, s1), live.settings.reply_max_tokens)
+        cold = await cold_run(tiny_engine, prompt_ids(live, s1), live.settings)
         assert (cold.text, cold.stats.completion_tokens) == (t1b["text"], t1b["usage"]["completion_tokens"])
         # and session 2's chain survived whole: its next turn hits every block of its first prompt (and the block
         # where its reply begins when the reply's text encodes back to the sampled ids; the tiny model's often do not)
         t2b = await two.turn("Thanks, any news?")
         assert t2b["usage"]["cached_tokens"] in ((t2["usage"]["prompt_tokens"] // block) * block, chain2 * block)
+
+
+async def test_the_sessions_summary_carries_each_open_sessions_footprint(
+    live: LiveServer, tiny_engine: LLMEngine
+) -> None:
+    block = tiny_engine.info.block_size
+    _, admin_b = await second_tenant(live)
+    async with connect(live) as ws1, connect(live) as ws2, httpx.AsyncClient(base_url=live.http) as http:
+        one, two = Chat(ws1), Chat(ws2)
+        s1, s2 = await one.hello(CHAT_TOKEN), await two.hello(CHAT_TOKEN)
+        t1 = await one.turn(PARCEL)
+        await two.turn(KETTLE)
+        closed = await http.post(f"/admin/sessions/{s2}/status", headers=A, json={"status": "closed"})
+        assert closed.status_code == 200, closed.text
+        summary = await http.get("/admin/sessions/summary?limit=10", headers=A)
+        assert summary.status_code == 200, summary.text
+        listed = (await http.get("/admin/sessions?limit=10", headers=A)).json()
+        others = (await http.get("/admin/sessions/summary", headers={"X-API-Key": admin_b})).json()
+    chain1 = chain_blocks(t1["usage"]["prompt_tokens"], t1["usage"]["completion_tokens"], block)
+    rows = summary.json()
+    # the list's rows, in its order, each with the footprint the detail route reports; none for a closed session
+    assert [{k: v for k, v in r.items() if k != "cache_footprint"} for r in rows] == listed
+    assert {r["id"]: r["cache_footprint"] for r in rows} == {
+        s1: {"blocks": chain1, "tokens": chain1 * block},
+        s2: None,
+    }
+    assert others == []  # another tenant's admin sees none of these
 
 
 async def test_flushing_a_tenant_frees_its_cache_and_not_another_tenants(
