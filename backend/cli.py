@@ -1,4 +1,4 @@
-"""The ``kvchat`` command: ``serve``, ``migrate``, ``generate``, ``doctor`` and ``chat``.
+"""The ``kvchat`` command: ``serve``, ``engine-serve``, ``migrate``, ``generate``, ``doctor`` and ``chat``.
 
 A start-up problem (a database that is down or not supported, a model that is not there, a bad setting) is one line,
 ``error: ...``, on stderr and a non-zero exit — never a traceback.
@@ -59,6 +59,34 @@ def _serve(args: argparse.Namespace) -> int:
     startup: Startup = app.state.startup
     if startup.error is not None:
         raise StartupError(f"kvchat could not start: {startup.error}")
+    return 0
+
+
+def _engine_serve(args: argparse.Namespace) -> int:
+    """The engine alone behind HTTP (``backend/engine_server``): a replica for backends that set KVCHAT_ENGINE_URL."""
+    from backend.engine_server.auth import is_loopback
+
+    settings = Settings()
+    host, port, secret = args.host, args.port, settings.engine_secret
+    if not secret and not is_loopback(host):
+        # NOTE: the namespace header is trusted: an open replica would let anyone read any tenant's cache.
+        raise StartupError(f"refusing to serve the engine on {host} without a secret: set KVCHAT_ENGINE_SECRET")
+    _check_port(host, port)
+    _check_model(settings.model, settings.model_cache_dir)
+    import uvicorn
+
+    from backend.engine_server.app import create_engine_app
+    from engine.llm_engine import LLMEngine
+
+    # NOTE: the model loads before the server listens, so a replica is in the router's ring only once it can answer,
+    # and a load failure is one ``error:`` line (uvicorn would print a lifespan traceback).
+    engine = LLMEngine(settings.engine_config())
+    asyncio.run(engine.start())
+    try:
+        app = create_engine_app(engine, secret, owns_engine=False)
+        uvicorn.run(app, host=host, port=port, log_level=settings.log_level, log_config=None)
+    finally:
+        asyncio.run(engine.stop())
     return 0
 
 
@@ -184,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="bind address (default KVCHAT_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default KVCHAT_PORT or 8000)")
     serve.set_defaults(func=_serve)
+    eserve = sub.add_parser("engine-serve", help="serve the engine alone over HTTP (a replica: docs/scale-out.md)")
+    eserve.add_argument("--host", default="127.0.0.1", help="bind address (another than loopback needs a secret)")
+    eserve.add_argument("--port", type=int, default=8100, help="port (default 8100)")
+    eserve.set_defaults(func=_engine_serve)
     mig = sub.add_parser("migrate", help="upgrade the database schema (Alembic)")
     mig.add_argument("revision", nargs="?", default="head")
     mig.set_defaults(func=_migrate)

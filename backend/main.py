@@ -46,6 +46,8 @@ from backend.core.namespaces import Namespaces, load_secret
 from backend.core.startup import STARTUP_ERRORS, Phase, Startup
 from backend.db import migrate
 from backend.db.engine import create_db_engine, create_sessionmaker, peer_workers, worker_name
+from backend.engine_client.protocol import EngineClient
+from backend.engine_client.remote import RemoteEngine
 from backend.openai.service import ChatCompletions, served_model_id
 from backend.services import cache_admin
 from backend.services.context_service import ContextService
@@ -164,11 +166,7 @@ async def _start_phases(
     namespaces = Namespaces(load_secret(settings.secret_key, settings.data_dir))
     boot = await bootstrap_default_tenant(sessionmaker, settings.bootstrap_chat_token, settings.bootstrap_admin_key)
     _announce_keys(boot)
-    llm = engine or LLMEngine(settings.engine_config())
-    if engine is None:
-        owned.push_async_callback(llm.stop)
-    if not llm.is_running:
-        await _load_model(llm, startup)
+    llm, model, capacity = await _open_engine(settings, engine, startup, owned)
     reply = ReplyConfig(settings.reply_max_tokens, settings.reply_temperature, settings.reply_top_p)
     metrics.watch_engine(llm)
     instrument_database(db_engine, metrics)
@@ -192,16 +190,43 @@ async def _start_phases(
         sessionmaker=sessionmaker,
         engine=llm,
         chat=chat,
-        completions=ChatCompletions(llm, served_model_id(llm.config.model), metrics),
+        completions=ChatCompletions(llm, served_model_id(model), metrics),
         metrics=metrics,
         namespaces=namespaces,
-        admission=Admission(llm.config.max_num_seqs + llm.config.max_waiting),
+        admission=Admission(capacity),
     )
     base = f"http://{settings.host}:{settings.port}"
     startup.enter(
         Phase.READY,
         f"kvchat ready: chat page {base}/chat (websocket /ws/chat), dashboard {base}/dashboard, API docs {base}/docs",
     )
+
+
+async def _open_engine(
+    settings: Settings, engine: LLMEngine | None, startup: Startup, owned: contextlib.AsyncExitStack
+) -> tuple[EngineClient, str, int]:
+    """The engine, its model's name and how many requests it admits: the in-process one (the default, or ``engine``
+    when given), or a client of remote replicas when ``KVCHAT_ENGINE_URL`` is set (docs/scale-out.md)."""
+    if engine is None and settings.engine_url:
+        startup.enter(Phase.LOADING_MODEL, f"connecting to the engine replicas behind {settings.engine_url}")
+        remote = RemoteEngine(
+            settings.engine_url,
+            settings.engine_replica_urls,
+            model=settings.model,
+            cache_dir=settings.model_cache_dir,
+            secret=settings.engine_secret,
+            timeout_s=settings.engine_timeout_s,
+            retries=settings.engine_retries,
+        )
+        owned.push_async_callback(remote.stop)
+        await remote.start()
+        return remote, settings.model, settings.max_num_seqs + settings.max_waiting
+    llm = engine or LLMEngine(settings.engine_config())
+    if engine is None:
+        owned.push_async_callback(llm.stop)
+    if not llm.is_running:
+        await _load_model(llm, startup)
+    return llm, llm.config.model, llm.config.max_num_seqs + llm.config.max_waiting
 
 
 async def _load_model(llm: LLMEngine, startup: Startup) -> None:

@@ -48,6 +48,13 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_waiting: int = Field(default=256, ge=1)
     model_cache_dir: str | None = None
+    # Remote engine (docs/scale-out.md): unset, the engine runs in this process. Set, the backend sends its requests
+    # to this URL (vllm-router, or one ``kvchat engine-serve`` replica) and its cache control to every replica.
+    engine_url: str | None = None
+    engine_replicas: str = ""  # every replica behind engine_url, comma-separated (default: engine_url itself)
+    engine_secret: str | None = None  # the shared secret between the backend and its replicas (Bearer)
+    engine_timeout_s: float = Field(default=30.0, gt=0)  # a replica silent this long (no token) is given up on
+    engine_retries: int = Field(default=2, ge=0)  # tries again before the first token when a replica fails
     # The KV cache's disk tier (survives restarts) and the cache settings a start begins with; the operator changes
     # them at runtime through ``/admin/cache/settings`` (until the process stops).
     kv_disk_cache: bool = True
@@ -109,6 +116,12 @@ class Settings(BaseSettings):
         if self.env == Environment.PRODUCTION and self.test_commit_delay_seconds > 0:
             raise ValueError("KVCHAT_TEST_COMMIT_DELAY_SECONDS is a test hook; it must be 0 in production")
         return self
+
+    @property
+    def engine_replica_urls(self) -> list[str]:
+        """The replicas cache control reaches (each one: a session's blocks may be on any after a failover)."""
+        urls = [u.strip().rstrip("/") for u in self.engine_replicas.split(",") if u.strip()]
+        return urls or ([self.engine_url.rstrip("/")] if self.engine_url else [])
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

@@ -1,0 +1,453 @@
+"""``RemoteEngine``: the ``EngineClient`` of engine replicas over HTTP/SSE (``kvchat engine-serve``, or vLLM), reached
+through vllm-router or one replica directly (``KVCHAT_ENGINE_URL``; docs/scale-out.md).
+
+- **Tokenizing stays here.** The backend loads the model's tokenizer from the same model (``KVCHAT_MODEL``) and sends
+  token ids with their segment spans, so its context builder and prompt budget stay authoritative. At start every
+  replica's model fingerprint must equal the local one (``EngineMismatch`` otherwise: the ids would mean other text).
+- **Session affinity.** Every request carries ``X-Session-ID`` (the session, else the request id), the key of the
+  router's ``consistent_hash`` policy: a session's turns land on the replica that holds its KV.
+- **Failures.** Before the first token, a replica that refuses the connection, stays silent past ``timeout_s``,
+  answers a 5xx or garbage is retried (``retries`` times, with backoff: long enough for the router's health check to
+  drop a dead replica, so the retry lands on another one, as a cache miss). After the first token the stream cannot
+  be replayed: ``EngineUnreachable`` (the chat layer's ``unavailable`` error frame). Nothing waits forever.
+- **Cache control** goes to every replica directly (``remote_control.py`` says why, and what a down replica means).
+- **vLLM replicas** (no ``/kvchat/info``): generation works (the namespace goes out as ``cache_salt``); invalidate,
+  release, erase, pin, temperature, footprint, cache settings and engine stats do not exist there. Each missing item
+  is logged once at start and its calls do nothing (zeros), so no call fails because of it.
+
+``stats``, ``session_footprint``, ``pin_prefix``, ``unpin`` and ``cache_settings`` are called in place by the backend
+(in memory for the in-process engine): here each is one blocking round trip per replica, bounded by the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+import httpx
+
+from backend.engine_client.protocol import TextTokenizer
+from backend.engine_client.remote_control import ReplicaSet
+from backend.engine_client.remote_errors import EngineMismatch, EngineProtocolError, EngineUnreachable
+from backend.engine_client.remote_stream import StreamReader, error_of_response
+from backend.engine_client.values import (
+    CacheFootprint,
+    CacheSettings,
+    EngineBusy,
+    EngineError,
+    EngineInfo,
+    EngineStats,
+    EngineStopped,
+    ErasureResult,
+    FinishReason,
+    GenerationEvent,
+    InvalidationResult,
+    PinResult,
+    Prompt,
+    RequestFinished,
+    SamplingParams,
+    TokenizedPrompt,
+)
+from backend.engine_client.wire import (
+    WireError,
+    erasure_from_json,
+    footprint_from_json,
+    info_from_json,
+    invalidation_from_json,
+    pin_from_json,
+    sampling_to_json,
+    settings_from_json,
+    spans_to_json,
+    stats_from_json,
+)
+from engine.prompt_encoder import PromptEncoder, needs_tokenizing
+
+log = logging.getLogger("kvchat.engine_client")
+T = TypeVar("T")
+
+SESSION_HEADER = "X-Session-ID"
+VLLM_MISSING = ("invalidate", "release", "erase", "pin", "session temperature", "footprint", "cache settings", "stats")
+
+
+class _Retryable(Exception):
+    """A failure that another try (before the first token) may not meet; ``error`` is what the caller gets."""
+
+    def __init__(self, error: EngineError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class RemoteEngine:
+    """``await start()`` (checks the replicas, loads the tokenizer), then use it as any ``EngineClient``."""
+
+    def __init__(
+        self,
+        url: str,
+        replicas: Sequence[str] = (),
+        *,
+        model: str,
+        cache_dir: str | None = None,
+        secret: str | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        backoff_s: float = 0.5,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self._cache_dir = cache_dir
+        self._timeout_s, self._retries, self._backoff_s = timeout_s, retries, backoff_s
+        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        self._headers = headers
+        self._replicas = ReplicaSet(list(replicas) or [self.url], headers, min(timeout_s, 10.0))
+        self._kvchat: ReplicaSet | None = None  # the replicas that are kvchat engines (vLLM ones have no control)
+        self._http: httpx.AsyncClient | None = None
+        self._encoder: PromptEncoder | None = None
+        self._info: EngineInfo | None = None
+        self._live: set[str] = set()
+        self._aborted: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> EngineInfo:
+        """Ask every replica what it serves, load the tokenizer, refuse a replica of another model."""
+        await asyncio.to_thread(self._connect)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(self._timeout_s, connect=min(self._timeout_s, 3.0))
+        self._http = httpx.AsyncClient(headers=self._headers, timeout=timeout, limits=limits)
+        return self.info
+
+    async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        self._replicas.close()
+
+    def _connect(self) -> None:
+        from engine.model.loader import resolve_model
+        from engine.tokenizer import Tokenizer
+
+        answers, vllm = self._probe()
+        resolved = resolve_model(self.model, self._cache_dir)
+        tokenizer = Tokenizer(resolved.path)
+        infos = [self._checked(url, answer, resolved.fingerprint) for url, answer in answers.items()]
+        for url, max_len in vllm.items():
+            infos.append(_vllm_info(str(resolved.path), resolved.fingerprint, tokenizer.vocab_size, max_len))
+            log.warning("the engine replica %s is vLLM: its model is not checked (vLLM reports no fingerprint)", url)
+        if vllm:
+            log.warning("vLLM replica(s) have no %s: those calls do nothing there", ", ".join(VLLM_MISSING))
+        pool_tokens = min(i.num_blocks * i.block_size for i in infos)
+        self._info = dataclasses.replace(infos[0], num_blocks=min(i.num_blocks for i in infos))
+        self._encoder = PromptEncoder(tokenizer, self._info.vocab_size, self._info.max_model_len, pool_tokens)
+        kvchat_urls = [u for u in self._replicas.urls if u in answers]
+        self._kvchat = ReplicaSet(kvchat_urls, self._headers, min(self._timeout_s, 10.0)) if kvchat_urls else None
+
+    def _probe(self) -> tuple[dict[str, Any], dict[str, int]]:
+        """Each replica's ``/kvchat/info`` answer, and the vLLM ones (no such route) with their context length."""
+        answers: dict[str, Any] = {}
+        vllm: dict[str, int] = {}
+        for url in self._replicas.urls:
+            try:
+                answers[url] = self._replicas.call(url, "GET", "/kvchat/info")
+            except EngineProtocolError:
+                models = self._replicas.call(url, "GET", "/v1/models")
+                vllm[url] = _vllm_max_len(url, models)
+        return answers, vllm
+
+    def _checked(self, url: str, answer: Any, fingerprint: str) -> EngineInfo:
+        try:
+            info = info_from_json(answer.get("info") if isinstance(answer, dict) else None)
+        except WireError as exc:
+            raise EngineProtocolError(f"the engine replica {url} answered /kvchat/info oddly: {exc}") from None
+        if info.fingerprint != fingerprint:
+            raise EngineMismatch(
+                f"the engine replica {url} serves another model ({info.model_path}, fingerprint "
+                f"{info.fingerprint[:12]}) than KVCHAT_MODEL={self.model} here (fingerprint {fingerprint[:12]}): "
+                "point both at the same model"
+            )
+        return info
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineStopped("the remote engine is not connected")
+        return self._info
+
+    @property
+    def is_running(self) -> bool:
+        return self._http is not None
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self._prompts.tokenizer
+
+    # ------------------------------------------------------------------ prompts
+
+    @property
+    def _prompts(self) -> PromptEncoder:
+        if self._encoder is None:
+            raise EngineStopped("the remote engine is not connected")
+        return self._encoder
+
+    @property
+    def prompt_limit(self) -> int:
+        return self._prompts.limit
+
+    def prompt_token_floor(self, texts: Iterable[str]) -> int:
+        return self._prompts.token_floor(texts)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        return self.tokenize_prompt(prompt).token_ids
+
+    def tokenize_prompt(self, prompt: Prompt) -> TokenizedPrompt:
+        return self._prompts.encode(prompt)
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        namespace: str = "default",
+        request_id: str | None = None,
+        session: str | None = None,
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        """Stream the reply from whichever replica the router picks for ``session``; retried before its first token."""
+        if self._http is None:
+            raise EngineStopped("the remote engine is not running")
+        rid, params = request_id or uuid.uuid4().hex, params or SamplingParams()
+        tokenized = await asyncio.to_thread(self.tokenize_prompt, prompt) if needs_tokenizing(prompt) else None
+        tokenized = tokenized or self.tokenize_prompt(prompt)
+        self._prompts.check_fits(len(tokenized.token_ids), params.max_tokens)  # (as the engine would: no round trip)
+        body = self._body(tokenized, params, namespace, session)
+        headers = {SESSION_HEADER: session or rid}
+        self._live.add(rid)
+        try:
+            for attempt in range(self._retries + 1):
+                reader = StreamReader(rid, len(tokenized.token_ids))
+                try:
+                    async for event in self._attempt(body, headers, reader):
+                        yield event
+                    return
+                except _Retryable as exc:
+                    if reader.token_ids or reader.text or attempt == self._retries:
+                        raise exc.error from None
+                    log.warning("request %s: %s; trying again (%d of %d)", rid, exc, attempt + 1, self._retries)
+                    await asyncio.sleep(self._backoff_s * 2**attempt)
+        finally:
+            self._live.discard(rid)
+            self._aborted.discard(rid)
+
+    def _body(
+        self, prompt: TokenizedPrompt, params: SamplingParams, namespace: str, session: str | None
+    ) -> dict[str, Any]:
+        """OpenAI's fields (what a vLLM replica reads), and the exact request under ``kvchat`` (what ours reads)."""
+        return {
+            "model": self.model,
+            "prompt": prompt.token_ids,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "seed": params.seed,
+            "stop": list(params.stop) or None,
+            "cache_salt": namespace,
+            "kvchat": {"spans": spans_to_json(prompt.spans), "session": session, "sampling": sampling_to_json(params)},
+        }
+
+    async def _attempt(
+        self, body: dict[str, Any], headers: dict[str, str], reader: StreamReader
+    ) -> AsyncIterator[GenerationEvent]:
+        assert self._http is not None  # (checked by generate)
+        where, began = f"the engine at {self.url}", False
+        try:
+            async with self._http.stream("POST", self.url + "/v1/completions", json=body, headers=headers) as response:
+                if response.status_code >= 400:
+                    raise _refusal(response.status_code, await response.aread(), where)
+                if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                    raise WireError(f"a {response.headers.get('content-type') or 'typeless'} answer, not a stream")
+                began = True
+                async for line in response.aiter_lines():
+                    if reader.request_id in self._aborted:
+                        yield reader.finished(FinishReason.ABORTED)  # (leaving closes the stream: the server aborts)
+                        return
+                    event = reader.line(line)
+                    if event is not None:
+                        yield event
+                    if isinstance(event, RequestFinished) or reader.done:
+                        return
+        except httpx.TimeoutException:
+            raise _Retryable(EngineUnreachable(f"{where} sent nothing for {self._timeout_s:g} s")) from None
+        except httpx.HTTPError as exc:
+            what = "broke off the stream" if began else "cannot be reached"
+            raise _Retryable(EngineUnreachable(f"{where} {what}: {exc or type(exc).__name__}")) from None
+        except WireError as exc:
+            raise _Retryable(
+                EngineProtocolError(f"{where} answered something that is not an engine's: {exc}")
+            ) from None
+        raise _Retryable(EngineUnreachable(f"{where} closed the stream mid-reply"))
+
+    def abort(self, request_id: str) -> None:
+        """Stop streaming ``request_id``: its stream ends (``ABORTED``) at its next event, and closing the
+        connection aborts it on the replica."""
+        if request_id in self._live:
+            self._aborted.add(request_id)
+
+    # ------------------------------------------------------------------ sessions and the cache (remote_control.py)
+
+    def invalidate(
+        self,
+        namespace: str,
+        *,
+        session: str | None = None,
+        from_position: int | None = None,
+        reason: str = "invalidated",
+    ) -> InvalidationResult:
+        body = {"namespace": namespace, "session": session, "from_position": from_position, "reason": reason}
+        results = self._best_effort("/kvchat/invalidate", body, invalidation_from_json)
+        return _summed(results) if results else InvalidationResult(0, 0, 0)
+
+    def flush_namespace(self, namespace: str, reason: str = "flushed") -> InvalidationResult:
+        results = self._best_effort("/kvchat/flush", {"namespace": namespace, "reason": reason}, invalidation_from_json)
+        return _summed(results) if results else InvalidationResult(0, 0, 0)
+
+    def release_session(self, session: str) -> int:
+        return sum(self._best_effort("/kvchat/sessions/release", {"session": session}, _int("blocks_freed")))
+
+    def erase_session(self, session: str, namespace: str) -> ErasureResult:
+        if self._kvchat is None:
+            return ErasureResult(0, 0)
+        body = {"session": session, "namespace": namespace}
+        return _summed(self._kvchat.everywhere("POST", "/kvchat/sessions/erase", body, erasure_from_json))
+
+    def session_footprint(self, session: str) -> CacheFootprint:
+        results = self._best_effort("/kvchat/sessions/footprint", {"session": session}, footprint_from_json)
+        return _summed(results) if results else CacheFootprint(0, 0)
+
+    def pin_prefix(self, namespace: str, token_ids: Sequence[int]) -> PinResult:
+        if self._kvchat is None:
+            return PinResult(0, 0, 0)
+        body = {"namespace": namespace, "token_ids": list(token_ids)}
+        results = self._kvchat.everywhere("POST", "/kvchat/pin", body, pin_from_json)
+        return dataclasses.replace(results[0], cached=min(r.cached for r in results))
+
+    def unpin(self, namespace: str) -> int:
+        if self._kvchat is None:
+            return 0
+        return sum(self._kvchat.everywhere("POST", "/kvchat/unpin", {"namespace": namespace}, _int("blocks")))
+
+    def set_session_temperature(self, session: str, temperature: float) -> None:
+        """Sent to every replica in the background (a hint for eviction: nothing waits on it, a failure is logged)."""
+        body = {"session": session, "temperature": temperature}
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._best_effort("/kvchat/sessions/temperature", body, lambda d: d)
+            return
+        task = loop.create_task(self._in_thread(self._best_effort, "/kvchat/sessions/temperature", body, _none))
+        self._background.add(task)
+        task.add_done_callback(_forget(self._background))
+
+    def cache_settings(self) -> CacheSettings:
+        if self._kvchat is None:
+            return CacheSettings()
+        return self._kvchat.best_effort("GET", "/kvchat/cache/settings", {}, settings_from_json)[0]
+
+    def configure_cache(self, **changes: object) -> CacheSettings:
+        if self._kvchat is None:
+            return CacheSettings().changed(**changes)
+        return self._kvchat.everywhere("POST", "/kvchat/cache/settings", {"changes": changes}, settings_from_json)[0]
+
+    def stats(self) -> EngineStats:
+        """Every replica's stats, summed (the replicas that answered)."""
+        if self._kvchat is None:
+            return stats_from_json(_ZERO_STATS)
+        return _summed(self._kvchat.best_effort("GET", "/kvchat/stats", {}, stats_from_json))
+
+    @staticmethod
+    async def _in_thread(fn: Any, *args: Any) -> None:
+        await asyncio.to_thread(fn, *args)
+
+    def _best_effort(self, path: str, body: dict[str, Any], decode: Any) -> list[Any]:
+        return [] if self._kvchat is None else self._kvchat.best_effort("POST", path, body, decode)
+
+
+def _refusal(status: int, body: bytes, where: str) -> Exception:
+    """An HTTP error answer: the engine's refusal as it is (busy, too long), or a failure another try may not meet."""
+    error = error_of_response(status, body, where)
+    if isinstance(error, EngineBusy) or status < 500:
+        return error
+    if isinstance(error, EngineProtocolError):  # (vllm-router's own text, e.g. when every worker is down)
+        error = EngineUnreachable(str(error).replace("is not an engine's answer", "is an error"))
+    return _Retryable(error)
+
+
+def _summed(values: Sequence[Any]) -> Any:
+    """Field-wise sum of dataclasses (nested ones and mappings of numbers included): replicas' reports added up."""
+    first = values[0]
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return type(first)(**{f.name: _summed([getattr(v, f.name) for v in values]) for f in dataclasses.fields(first)})
+    if isinstance(first, Mapping):
+        keys = dict.fromkeys(k for v in values for k in v)
+        return MappingProxyType({k: _summed([v[k] for v in values if k in v]) for k in keys})
+    if isinstance(first, int | float) and not isinstance(first, bool):
+        return sum(values)
+    return first
+
+
+def _int(name: str) -> Any:
+    def decode(data: Any) -> int:
+        if not isinstance(data, dict) or not isinstance(data.get(name), int):
+            raise WireError(f"missing integer {name!r}")
+        return int(data[name])
+
+    return decode
+
+
+def _none(_: Any) -> None:
+    return None
+
+
+def _forget(tasks: set[asyncio.Task[None]]) -> Any:
+    def done(task: asyncio.Task[None]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("setting a session temperature failed: %s", task.exception())
+
+    return done
+
+
+def _vllm_max_len(url: str, models: Any) -> int:
+    try:
+        return int(models["data"][0]["max_model_len"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise EngineProtocolError(f"{url} is neither a kvchat engine nor a vLLM server (no model card)") from None
+
+
+def _vllm_info(model_path: str, fingerprint: str, vocab_size: int, max_model_len: int) -> EngineInfo:
+    block = 16  # NOTE: vLLM's default block size; only the prompt limit (max_model_len) derives from it here
+    return EngineInfo(model_path, fingerprint, "vllm", "remote", "unknown", max_model_len // block, block, 0,
+                      max_model_len, vocab_size)  # fmt: skip
+
+
+_ZERO_STATS: dict[str, Any] = {
+    "running": 0, "waiting": 0, "requests_finished": 0, "prompt_tokens": 0, "cached_tokens": 0,
+    "generated_tokens": 0, "steps": 0,
+    "kv": dict.fromkeys(("num_blocks", "num_free_blocks", "num_used_blocks", "num_cached_blocks",
+                         "num_evictable_blocks", "num_query_tokens", "num_hit_tokens"), 0),
+    "cache": {"num_lookups": 0, "num_lookups_hit": 0, "num_query_tokens": 0, "num_hit_tokens": 0,
+              "query_tokens_by_type": {}, "hit_tokens_by_type": {}, "blocks_published": 0, "blocks_reused": 0,
+              "cached_blocks_by_type": {}, "invalidations": {}},
+    "tiers": dict.fromkeys(("memory_blocks_used", "memory_blocks_cached", "pinned_blocks", "disk_blocks",
+                            "disk_bytes", "disk_writes", "disk_writes_refused", "disk_quarantined",
+                            "promoted_blocks", "demoted_blocks", "expired_blocks"), 0),
+}  # fmt: skip

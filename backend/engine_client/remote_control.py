@@ -1,0 +1,93 @@
+"""Cache control on every engine replica: the ``/kvchat/...`` routes of ``backend/engine_server/control.py``.
+
+NOTE: these calls go to each replica directly, never through vllm-router: the router forwards a path it does not
+know to one worker of its choice *without the request's headers* (so without the secret or ``X-Session-ID``), which
+is neither authenticated nor session-affine. Session-scoped actions are broadcast instead of routed by the session's
+hash: after a failover (the ring changed) a session's blocks may sit on two replicas, its old one and its new one, and
+a broadcast reaches both. A replica that holds nothing of the session answers zeros.
+
+What a replica that cannot be reached means, per action:
+
+- ``invalidate``, ``flush``, ``release``: logged and skipped. They free memory; a stale block left on an unreachable
+  replica never changes an answer (a hit needs the exact tokens), and a restarted replica's memory tier is empty.
+- ``erase``: ``EngineUnreachable`` after the others were erased: an erasure that may be partial must not look done.
+- everything else (stats, footprint, pin, settings): the replicas that answered (``EngineUnreachable`` if none did).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import httpx
+
+from backend.engine_client.remote_errors import EngineProtocolError, EngineUnreachable
+from backend.engine_client.remote_stream import error_of_response
+from backend.engine_client.values import EngineError
+from backend.engine_client.wire import WireError
+
+log = logging.getLogger("kvchat.engine_client")
+T = TypeVar("T")
+
+
+class ReplicaSet:
+    """Blocking JSON calls to each replica (called through ``asyncio.to_thread`` where the interface says so)."""
+
+    def __init__(self, urls: Sequence[str], headers: dict[str, str], timeout_s: float) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def call(self, url: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """One replica's JSON answer; else ``EngineUnreachable``, its engine error, or ``EngineProtocolError``."""
+        where = f"the engine replica {url}"
+        try:
+            response = self._http.request(method, url + path, json=body)
+        except httpx.TimeoutException as exc:
+            raise EngineUnreachable(f"{where} did not answer {path} in time ({type(exc).__name__})") from None
+        except httpx.HTTPError as exc:
+            raise EngineUnreachable(f"{where} cannot be reached: {exc or type(exc).__name__}") from None
+        if response.status_code >= 400:
+            raise error_of_response(response.status_code, response.content, where)
+        try:
+            return response.json()
+        except ValueError:
+            raise EngineProtocolError(f"{where} answered {path} with something that is not JSON") from None
+
+    def each(
+        self, method: str, path: str, body: dict[str, Any] | None, decode: Callable[[Any], T]
+    ) -> tuple[list[T], list[tuple[str, EngineError]]]:
+        """Every replica's decoded answer, and the replicas that failed (with why)."""
+        answers: list[T] = []
+        failed: list[tuple[str, EngineError]] = []
+        for url in self.urls:
+            try:
+                answers.append(decode(self.call(url, method, path, body)))
+            except WireError as exc:
+                failed.append((url, EngineProtocolError(f"the engine replica {url} answered {path} oddly: {exc}")))
+            except EngineError as exc:
+                failed.append((url, exc))
+        return answers, failed
+
+    def best_effort(self, method: str, path: str, body: dict[str, Any], decode: Callable[[Any], T]) -> list[T]:
+        """Every replica that answered; the others are logged (``EngineUnreachable`` when none answered)."""
+        answers, failed = self.each(method, path, body, decode)
+        for url, exc in failed:
+            log.warning("%s on %s skipped: %s", path, url, exc)
+        if failed and not answers:
+            raise failed[0][1]
+        return answers
+
+    def everywhere(self, method: str, path: str, body: dict[str, Any] | None, decode: Callable[[Any], T]) -> list[T]:
+        """Every replica's answer, or the first failure (after the other replicas were asked all the same)."""
+        answers, failed = self.each(method, path, body, decode)
+        if failed:
+            exc = failed[0][1]
+            if isinstance(exc, EngineUnreachable):
+                reached = len(self.urls) - len(failed)
+                raise EngineUnreachable(f"{path} reached {reached} of {len(self.urls)} replica(s); {exc}")
+            raise exc
+        return answers

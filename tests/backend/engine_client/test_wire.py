@@ -1,0 +1,83 @@
+"""The engine's values survive JSON both ways (``backend/engine_client/wire.py``), and errors keep their class."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend.engine_client.remote import _summed
+from backend.engine_client.values import (
+    EngineBusy,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+    SamplingParams,
+    StructuredOutput,
+)
+from backend.engine_client.wire import (
+    WireError,
+    error_body,
+    error_from_body,
+    sampling_from_json,
+    sampling_to_json,
+    spans_from_json,
+    spans_to_json,
+    stats_from_json,
+    to_json,
+)
+from engine.errors import RequestFailed
+from engine.kv.block_meta import TokenSpan
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import GrammarKind
+
+
+def _through_json(value: object) -> object:
+    return json.loads(json.dumps(to_json(value)))
+
+
+def test_sampling_params_round_trip_exactly() -> None:
+    params = SamplingParams(
+        max_tokens=7, temperature=0.7, top_k=5, seed=3, stop=("END",), stop_token_ids=(2,),
+        logit_bias=((4, -1.5),), logprobs=2, structured=StructuredOutput(GrammarKind.JSON_OBJECT),
+    )  # fmt: skip
+    assert sampling_from_json(json.loads(json.dumps(sampling_to_json(params)))) == params
+
+
+def test_bad_sampling_is_the_engines_error() -> None:
+    with pytest.raises(InvalidSamplingParamsError):
+        sampling_from_json({"temperature": -1.0})
+    with pytest.raises(InvalidSamplingParamsError):
+        sampling_from_json({"structured": {"kind": "nope"}})
+
+
+def test_spans_round_trip() -> None:
+    spans = (TokenSpan(0, 4, "policy", 1, None), TokenSpan(4, 9, "question", 2, 1))
+    assert spans_from_json(json.loads(json.dumps(spans_to_json(spans)))) == spans
+
+
+def test_stats_round_trip_and_sum(tiny_engine: LLMEngine) -> None:
+    stats = tiny_engine.stats()
+    decoded = stats_from_json(_through_json(stats))
+    assert decoded == stats
+    double = _summed([decoded, decoded])
+    assert double.kv.num_blocks == 2 * stats.kv.num_blocks
+    assert double.cache.num_lookups == 2 * stats.cache.num_lookups
+    assert dict(double.cache.hit_tokens_by_type) == {k: 2 * v for k, v in stats.cache.hit_tokens_by_type.items()}
+
+
+def test_a_report_with_a_missing_field_is_a_wire_error(tiny_engine: LLMEngine) -> None:
+    data = to_json(tiny_engine.stats())
+    del data["kv"]["num_blocks"]
+    with pytest.raises(WireError):
+        stats_from_json(data)
+    with pytest.raises(WireError):
+        stats_from_json([1, 2])
+
+
+def test_errors_keep_their_class_and_details() -> None:
+    busy = error_from_body(_through_json(error_body(EngineBusy("queue full", 2.5))), "x")
+    assert isinstance(busy, EngineBusy) and busy.retry_after_s == 2.5
+    long = error_from_body(_through_json(error_body(PromptTooLongError(10, 5, 12, "KV cache pool"))), "x")
+    assert isinstance(long, PromptTooLongError) and long.limit == 12 and "KV cache pool" in str(long)
+    assert isinstance(error_from_body({"error": {"code": "whatever", "message": "m"}}, "x"), RequestFailed)
+    assert isinstance(error_from_body("<html>", "the replica failed"), RequestFailed)
