@@ -33,7 +33,9 @@ from backend.api.routes import (
 )
 from backend.api.routes import metrics as metrics_route
 from backend.api.state import AppState
+from backend.chat.fanout import Fanout
 from backend.chat.hub import SessionHub
+from backend.chat.recovery import CutOffSweeper
 from backend.chat.service import ChatService
 from backend.chat.turn import ReplyConfig
 from backend.core.admission import Admission
@@ -45,7 +47,8 @@ from backend.core.metrics import Metrics, instrument_database
 from backend.core.namespaces import Namespaces, load_secret
 from backend.core.startup import STARTUP_ERRORS, Phase, Startup
 from backend.db import migrate
-from backend.db.engine import create_db_engine, create_sessionmaker, peer_workers, worker_name
+from backend.db.engine import create_db_engine, create_sessionmaker, live_workers, peer_workers, worker_name
+from backend.db.models import utcnow
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.remote import RemoteEngine
 from backend.openai.service import ChatCompletions, served_model_id
@@ -172,12 +175,17 @@ async def _start_phases(
     instrument_database(db_engine, metrics)
     context = ContextService(sessionmaker, llm, namespaces)
     chat = ChatService(sessionmaker, llm, SessionHub(), context, reply, settings.test_commit_delay_seconds, metrics)
+    fanout = _start_fanout(url, name, chat, owned)  # (stopped after the drain: its last frames still go out)
     owned.push_async_callback(_drain, chat, settings.shutdown_grace_seconds)
     revocations = RevocationFeed(url, sessionmaker, chat.hub.keys)  # revoked keys close their sockets, any process
     revocations.start()
     owned.push_async_callback(revocations.stop)
     startup.enter(Phase.RECOVERING, "marking replies a crash cut off, pinning prefixes")
+    started_at = utcnow()
     await _recover_interrupted_turns(chat, db_engine, name)
+    if fanout is not None:
+        cut_offs = CutOffSweeper(sessionmaker, chat.hub, fanout, chat.claimed_turns, lambda: live_workers(db_engine))
+        owned.push_async_callback(_cancel, asyncio.create_task(cut_offs.run(started_at), name="kvchat-cut-offs"))
     pinned = await cache_admin.pin_at_start(sessionmaker, llm, namespaces)
     if pinned:
         log.info("pinned the system + policy prefix of %d tenant(s)", pinned)
@@ -270,13 +278,24 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
+def _start_fanout(url: str, name: str, chat: ChatService, owned: contextlib.AsyncExitStack) -> Fanout | None:
+    """On Postgres, the fan-out to the other workers on the database (``backend/chat/fanout.py``): their frames, socket
+    counts and turns. SQLite serves one process: none."""
+    if not url.startswith("postgresql"):
+        return None
+    fanout = Fanout(url, name, chat.hub, chat.claimed_turns)
+    fanout.start()
+    owned.push_async_callback(fanout.stop)
+    return fanout
+
+
 async def _recover_interrupted_turns(chat: ChatService, db_engine: AsyncEngine, name: str) -> None:
-    # NOTE: another live process's awaiting messages are its turns in flight, so recovery runs only when this
-    # process is alone on the database. With several workers, a crashed one's turns are marked at the next start
-    # that finds itself alone (until then, a customer's retry answers them).
+    # NOTE: another live process's awaiting messages are its turns in flight, so this marks them all only when this
+    # process is alone on the database. With other workers, the cut-off sweeper marks those no live worker claims
+    # (backend/chat/recovery.py), once their heartbeats are in.
     peers = await peer_workers(db_engine, name)
     if peers:
-        log.info("%d other kvchat process(es) on this database: cut-off turns are left to a lone start", peers)
+        log.info("%d other kvchat process(es) on this database: their heartbeats decide the cut-off turns", peers)
         return
     marked = await chat.recover_interrupted()
     if marked:

@@ -123,7 +123,11 @@ class ChatService:
                 await db.commit()
                 missed = []
             last_seq = max((m.seq for m in missed), default=hello.last_seq)
-        in_flight = self._turns.in_flight(session.id)
+        # NOTE: no await from here until the caller subscribes the socket: the text so far and the frames that
+        # follow meet without a gap or an overlap, for this process's turns and (through the fan-out) the others'
+        local = self._turns.in_flight(session.id)
+        remote = None if local else self.hub.remote_in_flight(session.id)
+        in_flight = local or remote
         return Welcome(
             session_id=session.id,
             status=session.status,
@@ -137,6 +141,10 @@ class ChatService:
             ],
             topic=Topic(epoch=session.topic_epoch, temperature=session.semantic_temperature),
         )
+
+    def claimed_turns(self) -> list[tuple[str, str]]:
+        """The turns this process runs or has queued: (session id, client_msg_id) each."""
+        return self._turns.claimed()
 
     async def recover_interrupted(self) -> int:
         """On start, before any turn runs: give every user message still awaiting a reply (its turn was cut off by a

@@ -50,6 +50,10 @@ class Turns:
         """The session's turn in flight (the earliest started, when several wait their turn)."""
         return next((t for (sid, _), t in self._turns.items() if sid == session_id), None)
 
+    def claimed(self) -> list[tuple[str, str]]:
+        """(session id, client_msg_id) of every turn this process runs or has queued (its fan-out heartbeats)."""
+        return list(self._turns)
+
     def submit_lock(self, session_id: str) -> asyncio.Lock:
         """One submit per session at a time (a retried ``client_msg_id`` racing its original sees its turn)."""
         return self._submit_locks.setdefault(session_id, asyncio.Lock())

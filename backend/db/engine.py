@@ -95,6 +95,19 @@ async def peer_workers(engine: AsyncEngine, own_name: str) -> int:
     return int(count or 0)
 
 
+async def live_workers(engine: AsyncEngine) -> set[str]:
+    """The names (``worker_name``) of the serving kvchat processes connected to this database now (Postgres)."""
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text(
+                "SELECT DISTINCT application_name FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name LIKE :prefix"
+            ),
+            {"prefix": WORKER_PREFIX + "%"},
+        )
+    return {str(name) for name in rows.scalars()}
+
+
 def _sqlite_pragmas(dbapi_conn: object, _record: object) -> None:
     # NOTE: WAL lets the chat page read while a turn commits; foreign keys are off by default in SQLite.
     cursor = dbapi_conn.cursor()  # type: ignore[attr-defined]
