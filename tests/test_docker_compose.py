@@ -15,8 +15,12 @@ def _compose() -> dict[str, Any]:
     return data
 
 
+def _default_services() -> dict[str, Any]:
+    return {name: s for name, s in _compose()["services"].items() if "profiles" not in s}
+
+
 def test_services_are_postgres_and_app() -> None:
-    services = _compose()["services"]
+    services = _default_services()
     assert set(services) == {"db", "app"}
     assert services["db"]["image"].startswith("postgres:")
     assert services["app"]["build"] == "."
@@ -46,7 +50,7 @@ def test_app_env_points_at_the_db_service_and_sets_a_secret() -> None:
 def test_ports_and_volumes() -> None:
     compose = _compose()
     assert compose["services"]["app"]["ports"] == ["8000:8000"]
-    assert set(compose["volumes"]) == {"pgdata", "appdata"}
+    assert set(compose["volumes"]) == {"pgdata", "appdata", "engine1data", "engine2data", "appscaleddata"}
 
 
 def test_dockerfile_pins_torch_and_copies_what_the_app_needs() -> None:
@@ -55,3 +59,25 @@ def test_dockerfile_pins_torch_and_copies_what_the_app_needs() -> None:
     copied = {word for line in text.splitlines() if line.startswith("COPY ") for word in line.split()[1:-1]}
     assert {"engine", "backend", "migrations", "frontend_stub", "alembic.ini", "pyproject.toml"} <= copied
     assert "HEALTHCHECK" in text
+
+
+def test_scale_out_profile_is_backend_router_and_two_replicas() -> None:
+    services = _compose()["services"]
+    scaled = {name for name, s in services.items() if s.get("profiles") == ["scale-out"]}
+    assert scaled == {"engine-1", "engine-2", "router", "app-scaled"}
+    for name in ("engine-1", "engine-2"):
+        engine = services[name]
+        assert engine["command"][:2] == ["kvchat", "engine-serve"]
+        assert "KVCHAT_ENGINE_SECRET" in engine["environment"]
+        assert "/health" in " ".join(engine["healthcheck"]["test"])
+    assert services["engine-1"]["volumes"] != services["engine-2"]["volumes"]  # each replica: its own disk tier
+    router = " ".join(services["router"]["command"])
+    assert router.startswith("vllm-router") and "--policy consistent_hash" in router
+    assert "http://engine-1:8100 http://engine-2:8100" in router
+    assert set(services["router"]["depends_on"]) == {"engine-1", "engine-2"}
+    app = services["app-scaled"]
+    assert app["environment"]["KVCHAT_ENGINE_URL"] == "http://router:8200"
+    assert app["environment"]["KVCHAT_ENGINE_REPLICAS"] == "http://engine-1:8100,http://engine-2:8100"
+    assert app["depends_on"]["router"] == {"condition": "service_healthy"}
+    assert app["ports"] == ["8001:8000"]
+    assert "vllm-router" in (ROOT / "Dockerfile").read_text()

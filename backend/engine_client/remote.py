@@ -129,6 +129,8 @@ class RemoteEngine:
             await self._http.aclose()
             self._http = None
         self._replicas.close()
+        if self._kvchat is not None:
+            self._kvchat.close()
 
     def _connect(self) -> None:
         from engine.model.loader import resolve_model

