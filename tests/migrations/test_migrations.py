@@ -1,4 +1,4 @@
-"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002 and 0004-0008 up and
+"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002 and 0004-0009 up and
 down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change, write a
 migration)."""
 
@@ -246,6 +246,46 @@ def _reply_settings_and_tools_up_and_down(url: str) -> None:
     assert asyncio.run(_tables(url)) & TABLES_0008 == set()
     migrate.upgrade(url, "0008")
     assert asyncio.run(_execute(url, "SELECT count(*) FROM tenant_tools")) == [(0,)]
+
+
+async def _message_columns(url: str) -> set[str]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            columns = await conn.run_sync(lambda c: inspect(c).get_columns("messages"))
+    finally:
+        await engine.dispose()
+    return {c["name"] for c in columns}
+
+
+def _tool_exchange_up_and_down(url: str) -> None:
+    """0008 → 0009 adds ``messages.tool_exchange`` (empty on the stored messages); back to 0008 it goes, the messages
+    stay."""
+    migrate.upgrade(url, "0008")
+    for sql in (
+        "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', '', '2026-01-01')",
+        "INSERT INTO chat_sessions (id, tenant_id, status, context_version, created_at, last_active_at, topic_epoch)"
+        " VALUES ('s1', 't1', 'bot_active', 0, '2026-01-01', '2026-01-01', 0)",
+        "INSERT INTO messages (id, session_id, seq, role, content, status, prompt_tokens, completion_tokens,"
+        " cached_tokens, created_at) VALUES (1, 's1', 1, 'assistant', 'Shipped.', 'complete', 0, 0, 0, '2026-01-01')",
+    ):
+        asyncio.run(_execute(url, sql))
+    migrate.upgrade(url, "0009")
+    assert "tool_exchange" in asyncio.run(_message_columns(url))
+    assert asyncio.run(_execute(url, "SELECT content, tool_exchange FROM messages")) == [("Shipped.", None)]
+    asyncio.run(_execute(url, 'UPDATE messages SET tool_exchange = \'{"steps": [], "answer_from": 0}\''))
+    migrate.downgrade(url, "0008")
+    assert "tool_exchange" not in asyncio.run(_message_columns(url))
+    assert asyncio.run(_execute(url, "SELECT content FROM messages")) == [("Shipped.",)]
+
+
+@pytest.mark.postgres
+def test_postgres_tool_exchange_revision_up_and_down(pg_empty_url: str) -> None:
+    _tool_exchange_up_and_down(pg_empty_url)
+
+
+def test_sqlite_tool_exchange_revision_up_and_down(tmp_path: Path) -> None:
+    _tool_exchange_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
 
 
 @pytest.mark.postgres
