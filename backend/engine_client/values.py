@@ -1,8 +1,9 @@
 """The engine's values and errors that cross the backend's engine interface, re-exported: the one place the backend
 imports them from (``backend/engine_client/protocol.py`` says why they are plain data).
 
-Prompts (``SegmentedPrompt`` of ``Segment``s, ``TokenizedPrompt``: ids with segment spans), ``SamplingParams``, the
-stream (``TokenDelta`` … ``RequestFinished`` with ``RequestStats``), what cache control returns, what the engine
+Prompts (``SegmentedPrompt`` of ``Segment``s, ``TokenizedPrompt``: ids with segment spans), ``SamplingParams`` (its
+grammar a ``StructuredOutput``), the stream (``TokenDelta`` … ``RequestFinished`` with ``RequestStats``, tokens'
+``TokenLogprob``s), what cache control returns, what the engine
 reports, and the engine's error hierarchy (``engine/errors.py``: mapped once at the backend's boundaries).
 """
 
@@ -23,12 +24,13 @@ from engine.kv.cache_stats import CacheStats
 from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult
 from engine.kv.tier_config import CacheSettings
 from engine.kv.tiers import TierStats
-from engine.outputs import FinishReason, GenerationEvent, RequestFinished, RequestStats, TokenDelta
+from engine.outputs import FinishReason, GenerationEvent, RequestFinished, RequestStats, TokenDelta, TokenLogprob
 from engine.prompt import Segment, SegmentedMessage, SegmentedPrompt, TokenizedPrompt
 from engine.prompt_encoder import Prompt
-from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling_params import MAX_LOGPROBS, GrammarKind, SamplingParams, StructuredOutput
 
 __all__ = [
+    "MAX_LOGPROBS",
     "CacheFootprint",
     "CacheSettings",
     "CacheStats",
@@ -41,6 +43,7 @@ __all__ = [
     "ErasureResult",
     "FinishReason",
     "GenerationEvent",
+    "GrammarKind",
     "InvalidRequestError",
     "InvalidSamplingParamsError",
     "InvalidationResult",
@@ -56,5 +59,6 @@ __all__ = [
     "StructuredOutput",
     "TierStats",
     "TokenDelta",
+    "TokenLogprob",
     "TokenizedPrompt",
 ]

@@ -1,9 +1,13 @@
 """Wire shapes of the OpenAI chat-completions API (the subset kvchat serves, plus vLLM's sampling extensions).
 
-Requests ignore fields they do not know (clients send vendor extras); fields kvchat knows but cannot honour
-(``n > 1``, ``logprobs``, tools, penalties, ...) are rejected by the service with a 400 that names the parameter.
-Request fields are strict (``"5"`` is not a number, ``"yes"`` not a boolean) and their strings storable text
-(``backend/core/limits.py``).
+Requests ignore fields they do not know (clients send vendor extras). Fields kvchat knows are honoured:
+``n``, ``logprobs``/``top_logprobs``, the penalties, ``logit_bias``, ``response_format`` (JSON object and JSON
+schema, by the engine's grammar), ``tools``/``tool_choice``/``parallel_tool_calls``, and vLLM's
+``repetition_penalty``, ``min_p``, ``top_k``, ``min_tokens``, ``ignore_eos``. A value kvchat cannot honour (an
+``n`` past the server's cap, a content part that is not text, a response format or tool type it does not know,
+the deprecated ``functions``) is refused by the service with a 400 that names the parameter
+(``backend/openai/request_plan.py``). Request fields are strict (``"5"`` is not a number, ``"yes"`` not a boolean)
+and their strings storable text (``backend/core/limits.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from backend.core.limits import INT64_MAX, SafeText
 
 # NOTE: strict parsing of what clients send; the response models below are ours and stay lax.
 _STRICT = ConfigDict(strict=True)
+_LENIENT = ConfigDict(extra="ignore", strict=True)
 
 
 class TextPart(BaseModel):
@@ -34,24 +39,95 @@ class ContentPart(BaseModel):
     text: SafeText | None = None
 
 
-class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class FunctionCallIn(BaseModel):
+    model_config = _LENIENT
 
-    # NOTE: "developer" is OpenAI's newer name for "system"; "tool"/"function" are parsed so the 400 can say why.
+    name: SafeText
+    arguments: SafeText  # the JSON text of an object, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """A call an earlier assistant message made (sent back in the history)."""
+
+    model_config = _LENIENT
+
+    id: SafeText
+    type: SafeText = "function"
+    function: FunctionCallIn
+
+
+class ChatMessageIn(BaseModel):
+    model_config = _LENIENT
+
+    # NOTE: "developer" is OpenAI's newer name for "system"; "function" (the deprecated call result) is parsed so
+    # the 400 can say why.
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: SafeText | list[ContentPart] | None = None
     name: SafeText | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: SafeText | None = None
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = _LENIENT
 
     include_usage: bool = False
 
 
+class FunctionDef(BaseModel):
+    model_config = _LENIENT
+
+    name: SafeText
+    description: SafeText | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    """A tool offered to the model; only ``type: "function"`` is known (checked by the service)."""
+
+    model_config = _LENIENT
+
+    type: SafeText
+    function: FunctionDef | None = None
+
+
+class NamedFunction(BaseModel):
+    model_config = _LENIENT
+
+    name: SafeText
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``: a call of that tool is forced."""
+
+    model_config = _LENIENT
+
+    type: SafeText
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _LENIENT
+
+    name: SafeText | None = None
+    description: SafeText | None = None
+    # NOTE: ``schema`` shadows a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``text`` (the default), ``json_object`` or ``json_schema``; other types are refused by the service."""
+
+    model_config = _LENIENT
+
+    type: SafeText
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = _LENIENT
 
     model: SafeText
     messages: list[ChatMessageIn] = Field(min_length=1)
@@ -66,16 +142,20 @@ class ChatCompletionRequest(BaseModel):
     n: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: SafeText | dict[str, Any] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[SafeText, float] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: SafeText | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    function_call: SafeText | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     user: SafeText | None = None
     # vLLM's extensions
     top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
 
@@ -91,15 +171,47 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobOut(BaseModel):
+    """One generated token: its text, the model's log-probability of it, and the most likely tokens there."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None = None
+    refusal: None = None
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str
 
 
@@ -113,15 +225,31 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """OpenAI's streamed call: the first delta of call ``index`` has its id, type and name; later ones add to its
+    arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 

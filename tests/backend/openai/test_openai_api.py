@@ -179,7 +179,7 @@ async def test_the_openai_client_raises_its_typed_errors(live: LiveServer, clien
         await client.chat.completions.create(model="gpt-4o", messages=CONVERSATION)  # type: ignore[arg-type]
     assert not_found.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad_request:
-        await client.chat.completions.create(model="default", messages=CONVERSATION, n=2)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="default", messages=CONVERSATION, n=9)  # type: ignore[arg-type]
     assert (bad_request.value.code, bad_request.value.param) == ("unsupported_parameter", "n")
 
 
@@ -190,10 +190,10 @@ async def test_the_openai_client_raises_its_typed_errors(live: LiveServer, clien
         ({"Authorization": "Bearer nope"}, {}, 401, "invalid_api_key", None),
         ({"Authorization": f"Bearer {ADMIN_KEY}"}, {}, 401, "invalid_api_key", None),  # admin keys do not chat
         (None, {"model": "gpt-4o"}, 404, "model_not_found", "model"),
-        (None, {"n": 2}, 400, "unsupported_parameter", "n"),
-        (None, {"logprobs": True}, 400, "unsupported_parameter", "logprobs"),
-        (None, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported_parameter", "tools"),
-        (None, {"presence_penalty": 0.5}, 400, "unsupported_parameter", "presence_penalty"),
+        (None, {"n": 9}, 400, "unsupported_parameter", "n"),  # past the server's cap
+        (None, {"top_logprobs": 3}, 400, "invalid_request", "top_logprobs"),  # without logprobs: true
+        (None, {"tools": [{"type": "retrieval"}]}, 400, "unsupported_parameter", "tools[0].type"),
+        (None, {"presence_penalty": 2.5}, 400, "invalid_request", "presence_penalty"),
         (None, {"temperature": 3}, 400, "invalid_request", "temperature"),
         (None, {"max_tokens": 0}, 400, "invalid_request", "max_tokens"),
         (None, {"messages": []}, 400, "invalid_request", "messages"),
@@ -206,7 +206,7 @@ async def test_the_openai_client_raises_its_typed_errors(live: LiveServer, clien
             "unsupported_parameter",
             "messages[0].content",
         ),
-        (None, {"messages": [{"role": "tool", "content": "42"}]}, 400, "unsupported_parameter", "messages[0]"),
+        (None, {"messages": [{"role": "function", "content": "42"}]}, 400, "unsupported_parameter", "messages[0]"),
     ],
 )
 async def test_errors_come_back_in_openai_shape(
