@@ -54,6 +54,7 @@ from backend.engine_client.remote import RemoteEngine
 from backend.openai.service import ChatCompletions, served_model_id
 from backend.services import cache_admin
 from backend.services.context_service import ContextService
+from backend.services.reply_settings import defaults_of
 from backend.services.revocation import RevocationFeed
 from backend.services.tenants import BootstrapResult, bootstrap_default_tenant
 from engine.llm_engine import LLMEngine
@@ -170,7 +171,7 @@ async def _start_phases(
     boot = await bootstrap_default_tenant(sessionmaker, settings.bootstrap_chat_token, settings.bootstrap_admin_key)
     _announce_keys(boot)
     llm, model, capacity = await _open_engine(settings, engine, startup, owned)
-    reply = ReplyConfig(settings.reply_max_tokens, settings.reply_temperature, settings.reply_top_p)
+    reply = ReplyConfig(settings.reply_max_tokens, defaults_of(settings), settings.tools_allow_private_networks)
     metrics.watch_engine(llm)
     instrument_database(db_engine, metrics)
     context = ContextService(sessionmaker, llm, namespaces)

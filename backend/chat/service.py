@@ -47,7 +47,8 @@ from backend.chat.protocol import (
     UserMessage,
     Welcome,
 )
-from backend.chat.turn import ReplyConfig, Turn, TurnRunner
+from backend.chat.turn import ReplyConfig, TurnRunner
+from backend.chat.turn_state import Turn
 from backend.chat.turns import DrainReport, Turns
 from backend.context.builder import prefix_segments
 from backend.core.errors import MessageTooLongError, SessionClosedError, ShuttingDownError

@@ -1,9 +1,11 @@
 """One bot turn, from the session's context to the stored reply (``backend/chat/service.py`` decides that a turn
 runs; ``backend/chat/turns.py`` runs them, one at a time per session).
 
-The steps: the context (read once: the one its customer message was observed with, while nothing was stored since),
-the prompt (built and tokenized once, off the event loop), the blocks an epoch drop left behind freed, the reply
-streamed from the engine to every socket of the session, then stored with its blocks, then the completion published.
+The steps: the reply setup (the tenant's reply settings and tools, ``reply_setup.py``), the context (read once: the
+one its customer message was observed with, while nothing was stored since), the prompt (built and tokenized once,
+off the event loop, with the tools offered), the blocks an epoch drop left behind freed, the reply streamed from the
+engine to every socket of the session (``reply_stream.py``; with tools, ``tool_turn.py``), then stored with its
+blocks and tool calls, then the completion published.
 A reply is stored whatever happens: ``complete``, ``cancelled``, or ``incomplete`` (an engine error after some text,
 a shutdown) with exactly the text that was published.
 """
@@ -12,34 +14,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Awaitable, Callable
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from backend.chat import reply_setup
 from backend.chat.hub import SessionHub
-from backend.chat.protocol import ErrorFrame, MessageCompleted, MessageDelta, Topic, Usage
+from backend.chat.protocol import ErrorFrame, MessageCompleted, Topic, Usage
+from backend.chat.reply_setup import ReplySetup
+from backend.chat.reply_stream import ReplyStreamer
+from backend.chat.tool_turn import RESULT_RESERVE_TOKENS, ToolTurn
+from backend.chat.turn_state import Turn
 from backend.core.errors import engine_error_code
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
 from backend.db.models import Message
 from backend.domain import MessageRole, MessageStatus
 from backend.engine_client.protocol import EngineClient
-from backend.engine_client.values import (
-    EngineBusy,
-    EngineError,
-    FinishReason,
-    RequestFinished,
-    SamplingParams,
-    TokenDelta,
-    TokenizedPrompt,
-)
+from backend.engine_client.values import EngineBusy, EngineError, FinishReason, RequestFinished
 from backend.services import sessions as store
-from backend.services.context_service import ContextService, PreparedPrompt, SessionContext
+from backend.services.context_service import ContextService, PreparedPrompt
+from backend.services.reply_settings import ReplySettings
+from backend.services.tool_calls import ToolCaller
+from backend.services.tool_exchange import ToolExchange
 
 log = logging.getLogger("kvchat.chat")
 T = TypeVar("T")
@@ -47,29 +47,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class ReplyConfig:
+    """The server's reply settings: the reply's length, how tenants without settings of their own sample
+    (``KVCHAT_REPLY_*``; a tenant's own: ``/admin/tenant/reply-settings``), and whether tenants' tools may be on
+    loopback or private addresses (``KVCHAT_TOOLS_ALLOW_PRIVATE_NETWORKS``)."""
+
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-
-
-@dataclass(slots=True, eq=False)
-class Turn:
-    session_id: str
-    tenant_id: str
-    client_msg_id: str
-    user_seq: int
-    context: SessionContext | None = None  # read when the message was observed (reused while it is current)
-    namespace: str = ""  # the tenant's cache namespace, read with the turn's context (backend/core/namespaces.py)
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    parts: list[str] = field(default_factory=list)
-    cancelled: bool = False
-    interrupted: bool = False  # cut off by shutdown: stored incomplete
-    task: asyncio.Task[None] | None = None
-    topic: Topic | None = None  # the topic of the message it answers (known once the prompt is built)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
+    defaults: ReplySettings = field(default_factory=ReplySettings)
+    tools_allow_private_networks: bool = False
 
 
 class TurnRunner:
@@ -92,6 +76,9 @@ class TurnRunner:
         self.reply = reply
         self._metrics = metrics
         self._commit_delay_s = commit_delay_s  # test hook (crash tests): see store.add_assistant_message
+        self._streamer = ReplyStreamer(engine, hub, metrics)
+        caller = ToolCaller(sessionmaker, reply.tools_allow_private_networks)
+        self._tools = ToolTurn(engine, self._streamer, caller)
 
     @property
     def budget(self) -> int:
@@ -112,11 +99,17 @@ class TurnRunner:
 
     async def _generate_and_store(self, turn: Turn) -> None:
         finished: RequestFinished | None = None
+        exchange: ToolExchange | None = None
         try:
-            prompt = await self._prompt(turn)
+            setup = await with_db_retry(
+                self._sm,
+                f"reading the reply settings of {turn.tenant_id}",
+                lambda db: reply_setup.load(db, turn.tenant_id, self.reply.defaults),
+            )
+            prepared = await self._prompt(turn, setup)
             # NOTE: checked after the awaits above too: a cancel or a drain may arrive meanwhile
             if not (turn.cancelled or turn.interrupted):
-                finished = await self._generate(turn, prompt)
+                finished, exchange = await self._generate(turn, prepared, setup)
         except EngineError as exc:
             self._hub.publish(turn.session_id, _error_frame(exc, turn.client_msg_id))
             if turn.parts:
@@ -131,22 +124,26 @@ class TurnRunner:
         elif finished is None or finished.finish_reason == FinishReason.ABORTED:
             await self._store(turn, MessageStatus.CANCELLED, "cancelled", finished)
         else:
-            await self._store(turn, MessageStatus.COMPLETE, finished.finish_reason.value, finished)
+            await self._store(turn, MessageStatus.COMPLETE, finished.finish_reason.value, finished, exchange)
 
-    async def _prompt(self, turn: Turn) -> TokenizedPrompt:
-        """The turn's prompt from the context builder (built and tokenized off the loop); frees what it dropped."""
+    async def _prompt(self, turn: Turn, setup: ReplySetup) -> PreparedPrompt:
+        """The turn's prompt from the context builder (built and tokenized off the loop, the tenant's tools offered);
+        frees what it dropped."""
         if turn.context is None or not self._context.is_current(turn.context):
             turn.context = await with_db_retry(
                 self._sm,
                 f"reading the context of {turn.session_id}",
                 lambda db: self._context.load(db, turn.tenant_id, turn.session_id),
             )
+        budget, tools = self.budget, tuple(t.spec() for t in setup.tools)
+        if tools:  # NOTE: room for the calls and their results, without leaving the history nothing
+            budget = max(budget // 2, budget - self.reply.max_tokens - RESULT_RESERVE_TOKENS)
         # NOTE: runs in a worker thread: a long history is tokenized several times while the budget is searched.
-        prepared = await run_cpu(turn.tenant_id, self._context.prepare, turn.context, turn.user_seq, self.budget)
+        prepared = await run_cpu(turn.tenant_id, self._context.prepare, turn.context, turn.user_seq, budget, tools)
         turn.namespace = prepared.namespace
         turn.topic = Topic(epoch=prepared.epoch, temperature=prepared.temperature)
         await self._invalidate_dropped(turn, prepared)
-        return prepared.tokenized
+        return prepared
 
     async def _invalidate_dropped(self, turn: Turn, prepared: PreparedPrompt) -> None:
         try:
@@ -157,33 +154,27 @@ class TurnRunner:
         if freed is not None:
             log.info("session %s dropped an epoch: %d cached blocks freed", turn.session_id, freed.blocks_freed)
 
-    async def _generate(self, turn: Turn, prompt: TokenizedPrompt) -> RequestFinished | None:
-        params = SamplingParams(
-            max_tokens=self.reply.max_tokens, temperature=self.reply.temperature, top_p=self.reply.top_p
-        )
-        finished: RequestFinished | None = None
-        timer = self._metrics.reply_timer(turn.tenant_id) if self._metrics is not None else None
-        # NOTE: no await between the caller's check of ``turn.cancelled`` and the first step of the stream, which
-        # registers the request (its prompt is tokenized: nothing to offload): an abort from then on finds it.
-        stream = self._engine.generate(prompt, params, turn.namespace, turn.request_id, turn.session_id)
-        async with aclosing(stream):
-            async for event in stream:
-                if isinstance(event, TokenDelta):
-                    if timer is not None:
-                        timer.delta()
-                    # NOTE: a model can emit NUL, which Postgres text cannot store; what is streamed is what is stored.
-                    text = event.text.replace("\x00", "")
-                    if text:
-                        turn.parts.append(text)
-                        self._hub.publish(turn.session_id, MessageDelta(client_msg_id=turn.client_msg_id, text=text))
-                else:
-                    if timer is not None:
-                        timer.finished(event.stats)
-                    finished = event
-        return finished
+    async def _generate(
+        self, turn: Turn, prepared: PreparedPrompt, setup: ReplySetup
+    ) -> tuple[RequestFinished | None, ToolExchange | None]:
+        """The reply: streamed as it comes, or, with tools offered, through the tool turn."""
+        # NOTE: no await between the caller's check of ``turn.cancelled`` and the stream (``ReplyStreamer.stream``).
+        if setup.offers_tools:
+            family = self._context.tool_family
+            result = await self._tools.run(
+                turn, prepared.sent, prepared.tokenized, setup, family, self.reply.max_tokens, self.budget
+            )
+            return result.finished, result.exchange
+        params = setup.settings.params(self.reply.max_tokens)
+        return (await self._streamer.stream(turn, prepared.tokenized, params)).finished, None
 
     async def _store(
-        self, turn: Turn, status: MessageStatus, finish_reason: str, finished: RequestFinished | None
+        self,
+        turn: Turn,
+        status: MessageStatus,
+        finish_reason: str,
+        finished: RequestFinished | None,
+        exchange: ToolExchange | None = None,
     ) -> None:
         s = finished.stats if finished else None
         usage = store.TokenUsage(
@@ -191,7 +182,7 @@ class TurnRunner:
             completion_tokens=s.completion_tokens if s else 0,
             cached_tokens=s.cached_tokens if s else 0,
         )
-        message = await self._persist_reply(turn, status, usage)
+        message = await self._persist_reply(turn, status, usage, exchange)
         # NOTE: before the completion goes out, so a client that saw it finds the reply's blocks stored too.
         await self._observe_reply(turn, message)
         self._hub.publish(
@@ -224,7 +215,9 @@ class TurnRunner:
         except Exception:  # NOTE: as for the customer's message: the reply is stored either way; its blocks are extra
             log.exception("the context layer failed on reply %s/%d", turn.session_id, message.seq)
 
-    async def _persist_reply(self, turn: Turn, status: MessageStatus, usage: store.TokenUsage) -> Message:
+    async def _persist_reply(
+        self, turn: Turn, status: MessageStatus, usage: store.TokenUsage, exchange: ToolExchange | None
+    ) -> Message:
         """Store the reply (retried through a database blip, so a generated reply is not lost to it).
 
         NOTE: a commit whose answer was lost may have landed; the retry then gets that reply back, not a second one
@@ -234,7 +227,14 @@ class TurnRunner:
             self._sm,
             f"storing the reply of {turn.session_id}/{turn.client_msg_id}",
             lambda db: store.add_assistant_message(
-                db, turn.session_id, turn.user_seq, turn.text, status, usage, self._commit_delay_s
+                db,
+                turn.session_id,
+                turn.user_seq,
+                turn.text,
+                status,
+                usage,
+                self._commit_delay_s,
+                exchange.to_json() if exchange is not None else None,
             ),
         )
         self._context.changed(turn.session_id)

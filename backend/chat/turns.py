@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from backend.chat.turn import Turn
+from backend.chat.turn_state import Turn
 from backend.engine_client.protocol import EngineClient
 
 _STORE_TIMEOUT_S = 15.0  # after the grace period: how long cut-off turns get to store their text

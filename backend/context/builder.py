@@ -31,7 +31,7 @@ from enum import StrEnum
 
 from backend.context.blocks import Block, BlockKey, BlockType
 from backend.domain import HistoryPolicy, MessageRole
-from backend.engine_client.values import Segment, SegmentedPrompt
+from backend.engine_client.values import Segment, SegmentedMessage, SegmentedPrompt
 
 CountTokens = Callable[[SegmentedPrompt], int]
 
@@ -73,13 +73,17 @@ class DropReason(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class HistoryMessage:
-    """A stored message that is context (customer messages and complete replies), in conversation order."""
+    """A stored message that is context (customer messages and complete replies), in conversation order.
+
+    ``tool_messages``: a reply's tool calls and their results, written before it (the prompt it was generated from).
+    """
 
     seq: int
     role: MessageRole
     content: str
     epoch: int
     blocks: tuple[Block, ...] = ()
+    tool_messages: tuple[SegmentedMessage, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +197,9 @@ def _carried(
 def _render(request: ContextRequest, choice: _Choice) -> SegmentedPrompt:
     system = _system_segments(request, choice.carried)
     messages: list[tuple[str, list[Segment]]] = [(MessageRole.SYSTEM.value, system)] if system else []
-    messages += [(m.role.value, message_segments(m, request.block_ids)) for m in choice.kept]
+    for m in choice.kept:
+        messages += [(t.role, list(t.segments)) for t in m.tool_messages]
+        messages.append((m.role.value, message_segments(m, request.block_ids)))
     return SegmentedPrompt.of(*messages)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,10 +55,15 @@ from backend.engine_client.values import InvalidationResult, SegmentedPrompt, To
 from backend.services import context_store
 from backend.services import sessions as store
 from backend.services.context_store import ContextSettings, RuleSetCache
+from backend.services.tool_exchange import ToolExchange
+from backend.tools.family import detect_family
+from backend.tools.prompt import offer
+from backend.tools.types import ToolFamily, ToolSpec
 
 # The ``budget`` policy's prompt limit (the model's own budget still applies under every policy).
 DEFAULT_POLICY_BUDGET_TOKENS = 1024
 SYSTEM_ACTOR = "system"
+log = logging.getLogger("kvchat.context")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +114,7 @@ class Observation:
 class PreparedPrompt:
     built: BuiltContext
     tokenized: TokenizedPrompt  # what the engine runs (never tokenized again)
+    sent: SegmentedPrompt  # the built prompt with the tenant's tools offered: what ``tokenized`` holds
     context_from: int  # the first token after the tenant's system prompt and policy: the session's own context
     namespace: str
     epoch: int  # the topic of the message the turn answers
@@ -309,13 +316,23 @@ class ContextService:
             version,
         )
 
-    def prepare(self, ctx: SessionContext, user_seq: int, budget: int) -> PreparedPrompt:
-        """The prompt answering message ``user_seq``, and its token ids. Runs in a worker thread (it tokenizes)."""
+    @property
+    def tool_family(self) -> ToolFamily:
+        """How the model writes tool calls (read from its chat template)."""
+        template = getattr(self._engine.tokenizer.hf, "chat_template", None)
+        return detect_family(template if isinstance(template, str) else None)
+
+    def prepare(
+        self, ctx: SessionContext, user_seq: int, budget: int, tools: Sequence[ToolSpec] = ()
+    ) -> PreparedPrompt:
+        """The prompt answering message ``user_seq`` with ``tools`` offered, and its token ids. Runs in a worker
+        thread (it tokenizes). Earlier replies that called tools come after their calls and results."""
+        family = self.tool_family
         by_seq: dict[int, list[Block]] = {}
         for block in ctx.blocks:
             by_seq.setdefault(block.key.seq, []).append(block)
         history = tuple(
-            HistoryMessage(m.seq, MessageRole(m.role), m.content, ctx.epochs[m.seq], tuple(by_seq.get(m.seq, ())))
+            _history_message(m, ctx.epochs[m.seq], tuple(by_seq.get(m.seq, ())), family)
             for m in _in_order(ctx.messages)
             if (m.role == MessageRole.USER.value and m.seq <= user_seq)
             or (
@@ -337,17 +354,20 @@ class ContextService:
             block_ids=ctx.block_ids,
             identify=identifier_keys(ctx.rules),
         )
-        counted: list[tuple[SegmentedPrompt, TokenizedPrompt]] = []
+        counted: list[tuple[SegmentedPrompt, SegmentedPrompt, TokenizedPrompt]] = []
 
         def count(prompt: SegmentedPrompt) -> int:
-            counted[:] = [(prompt, self._engine.tokenize_prompt(prompt))]
-            return len(counted[0][1].token_ids)
+            sent = offer(prompt, tools, family)
+            counted[:] = [(prompt, sent, self._engine.tokenize_prompt(sent))]
+            return len(counted[0][2].token_ids)
 
         built = build_context(request, count)
-        tokenized = counted[0][1] if counted[0][0] is built.prompt else self._engine.tokenize_prompt(built.prompt)
+        if counted[0][0] is not built.prompt:
+            count(built.prompt)
+        _, sent, tokenized = counted[0]
         context_from = max((s.end for s in tokenized.spans if s.block_type in PREFIX_TYPES), default=0)
         temperature = ctx.temperatures.get(user_seq, ctx.temperature)
-        return PreparedPrompt(built, tokenized, context_from, ctx.namespace, epoch, temperature)
+        return PreparedPrompt(built, tokenized, sent, context_from, ctx.namespace, epoch, temperature)
 
     # ------------------------------------------------------------------ invalidation
 
@@ -457,6 +477,19 @@ async def _tenant(db: AsyncSession, tenant_id: str) -> Tenant:
     if tenant is None:
         raise TenantNotFoundError(f"no tenant {tenant_id}")
     return tenant
+
+
+def _history_message(m: Message, epoch: int, blocks: tuple[Block, ...], family: ToolFamily) -> HistoryMessage:
+    """A stored message as context: a reply that called tools comes with its calls and results, then its answer."""
+    role = MessageRole(m.role)
+    if not m.tool_exchange:
+        return HistoryMessage(m.seq, role, m.content, epoch, blocks)
+    try:
+        exchange = ToolExchange.from_json(m.tool_exchange)
+    except ValueError:
+        log.warning("message %s/%d: its stored tool calls are unreadable; left out", m.session_id, m.seq)
+        return HistoryMessage(m.seq, role, m.content, epoch, blocks)
+    return HistoryMessage(m.seq, role, exchange.answer(m.content), epoch, blocks, exchange.messages(family))
 
 
 def _in_order(messages: Sequence[Message]) -> list[Message]:

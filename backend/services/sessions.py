@@ -140,8 +140,10 @@ async def add_assistant_message(
     status: MessageStatus,
     usage: TokenUsage,
     commit_delay_s: float = 0.0,
+    tool_exchange: str | None = None,
 ) -> Message:
     """Store a reply and, in the same transaction, settle the user message it answers (no longer awaiting).
+    ``tool_exchange``: the tools it called (``backend/services/tool_exchange.py``, as JSON).
 
     A user message has at most one reply: when one is already stored (a retried commit that had landed, a marker
     a restart wrote), that one is returned and nothing is added. ``commit_delay_s`` is a test hook: it holds the
@@ -163,6 +165,7 @@ async def add_assistant_message(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         cached_tokens=usage.cached_tokens,
+        tool_exchange=tool_exchange,
     )
     db.add(message)
     await db.execute(

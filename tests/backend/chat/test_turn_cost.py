@@ -98,8 +98,8 @@ async def test_a_turn_reads_its_context_once_and_tokenizes_its_prompt_once(
         # submit 6: the session; the client_msg_id lookup; the session lock (update + select); the next seq; insert.
         # observation 5: its blocks' parents, 2 blocks, the topic row, the session's topic.
         # reply 6: the session lock (2); its existing reply; the next seq; insert; the message settled.
-        # reply blocks 2: their parents, 1 block.
-        "SELECT": 14,
+        # reply blocks 2: their parents, 1 block. The reply setup 2: the tenant's reply settings, its tools.
+        "SELECT": 16,
         "INSERT": 6,
         "UPDATE": 4,
     }

@@ -20,14 +20,15 @@ from test_ws_chat import TIMEOUT, Chat
 from backend.context.blocks import BlockType
 from backend.context.rules import Rule
 from backend.context.topic import TopicSettings
+from backend.core.config import Settings
 from backend.db.models import InvalidationEvent, Message, SemanticBlock, Tenant, TopicHistory
 from backend.domain import HistoryPolicy
 from backend.services import context_store
 from backend.services.context_store import ContextSettings
+from backend.services.reply_settings import defaults_of
 from backend.services.tenants import DEFAULT_TENANT
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestFinished
-from engine.sampling_params import SamplingParams
 from support.server import ADMIN_KEY, LiveServer, db_session, server_settings, serving
 
 pytestmark = pytest.mark.anyio
@@ -138,7 +139,7 @@ async def test_a_dropped_epoch_is_freed_and_the_next_turn_equals_a_cold_run(
     assert second["usage"]["cached_tokens"] == (changed // block) * block
 
     # the turn after the invalidation equals a cold run of the same prompt (fp32, greedy)
-    cold = await _cold_run(tiny_engine, prompt2, live.settings.reply_max_tokens)
+    cold = await _cold_run(tiny_engine, prompt2, live.settings)
     assert cold.stats.cached_tokens == 0
     assert cold.text == second["text"]
     assert cold.stats.completion_tokens == second["usage"]["completion_tokens"]
@@ -299,8 +300,9 @@ def _freed(stats: Any, reason: str) -> int:
     return counts.blocks_freed if counts is not None else 0
 
 
-async def _cold_run(engine: LLMEngine, prompt: list[int], max_tokens: int) -> RequestFinished:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0)
+async def _cold_run(engine: LLMEngine, prompt: list[int], settings: Settings) -> RequestFinished:
+    """The reply the chat's default reply settings give ``prompt`` with nothing cached."""
+    params = defaults_of(settings).params(settings.reply_max_tokens)
     finished = None
     async for event in engine.generate(prompt, params, namespace=f"cold-{uuid.uuid4().hex}"):
         if isinstance(event, RequestFinished):
