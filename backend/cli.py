@@ -35,7 +35,10 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or settings.host
     port = args.port or settings.port
     settings = settings.model_copy(update={"host": host, "port": port})
-    _check_port(host, port)  # NOTE: first: a busy port must not cost a model load (or a first conversion)
+    # NOTE: first: a busy port must not cost a model load (or a first conversion)
+    sockets = [shared_port_socket(host, port)] if settings.reuse_port else None
+    if sockets is None:
+        _check_port(host, port)
     _check_database(settings.resolved_database_url)
     _check_model(settings.model, settings.model_cache_dir)
     import uvicorn
@@ -55,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         # NOTE: bounds what is left after the chat drain: SSE streams still running, sockets closing.
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_seconds)),
     )
-    _draining_server(config, app).run()
+    _draining_server(config, app).run(sockets=sockets)
     startup: Startup = app.state.startup
     if startup.error is not None:
         raise StartupError(f"kvchat could not start: {startup.error}")
@@ -131,6 +134,24 @@ def _check_port(host: str, port: int) -> None:
             else:
                 reason = f"{exc.strerror or exc}; check KVCHAT_HOST / KVCHAT_PORT"
             raise StartupError(f"cannot listen on {host}:{port}: {reason}") from exc
+
+
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` that other ``kvchat serve`` workers may bind too (``KVCHAT_REUSE_PORT``: Linux
+    spreads the new connections over them); refused when a process without the option holds the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = "held by a process that does not share it (KVCHAT_REUSE_PORT unset there?)"
+        raise StartupError(
+            f"cannot listen on {host}:{port}: {reason if exc.errno == errno.EADDRINUSE else exc}"
+        ) from exc
+    return sock
 
 
 def _check_database(url: str) -> None:

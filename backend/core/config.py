@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     env: Environment = Environment.DEVELOPMENT
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    # several ``kvchat serve`` workers on one port (Linux SO_REUSEPORT: the kernel spreads the connections); they
+    # act as one service through Postgres (backend/chat/fanout.py)
+    reuse_port: bool = False
     data_dir: Path = Path("data")
     database_url: str | None = None  # default: SQLite file under data_dir
     # The server secret the cache namespaces are derived from (backend/core/namespaces.py). Unset in development: a
