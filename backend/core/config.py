@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     # Remote engine (docs/scale-out.md): unset, the engine runs in this process. Set, the backend sends its requests
     # to this URL (vllm-router, or one ``kvchat engine-serve`` replica) and its cache control to every replica.
     engine_url: str | None = None
-    engine_replicas: str = ""  # every replica behind engine_url, comma-separated (default: engine_url itself)
+    engine_replicas: str = ""  # every replica behind engine_url, comma-separated (default: the router's list)
     engine_secret: str | None = None  # the shared secret between the backend and its replicas (Bearer)
     engine_timeout_s: float = Field(default=30.0, gt=0)  # a replica silent this long (no token) is given up on
     engine_retries: int = Field(default=2, ge=0)  # tries again before the first token when a replica fails
@@ -122,9 +122,9 @@ class Settings(BaseSettings):
 
     @property
     def engine_replica_urls(self) -> list[str]:
-        """The replicas cache control reaches (each one: a session's blocks may be on any after a failover)."""
-        urls = [u.strip().rstrip("/") for u in self.engine_replicas.split(",") if u.strip()]
-        return urls or ([self.engine_url.rstrip("/")] if self.engine_url else [])
+        """The replicas cache control reaches (each one: a session's blocks may be on any after a failover); empty:
+        the workers vllm-router lists at ``engine_url``, or ``engine_url`` itself (``RemoteEngine._discover``)."""
+        return [u.strip().rstrip("/") for u in self.engine_replicas.split(",") if u.strip()]
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

@@ -10,7 +10,8 @@ through vllm-router or one replica directly (``KVCHAT_ENGINE_URL``; docs/scale-o
   answers a 5xx or garbage is retried (``retries`` times, with backoff: long enough for the router's health check to
   drop a dead replica, so the retry lands on another one, as a cache miss). After the first token the stream cannot
   be replayed: ``EngineUnreachable`` (the chat layer's ``unavailable`` error frame). Nothing waits forever.
-- **Cache control** goes to every replica directly (``remote_control.py`` says why, and what a down replica means).
+- **Cache control** goes to every replica directly (``remote_control.py`` says why, and what a down replica means):
+  those listed (``KVCHAT_ENGINE_REPLICAS``), else the workers vllm-router lists at start (``/list_workers``).
 - **vLLM replicas** (no ``/kvchat/info``): generation works (the namespace goes out as ``cache_salt``); invalidate,
   release, erase, pin, temperature, footprint, cache settings and engine stats do not exist there. Each missing item
   is logged once at start and its calls do nothing (zeros), so no call fails because of it.
@@ -103,7 +104,8 @@ class RemoteEngine:
         self._timeout_s, self._retries, self._backoff_s = timeout_s, retries, backoff_s
         headers = {"Authorization": f"Bearer {secret}"} if secret else {}
         self._headers = headers
-        self._replicas = ReplicaSet(list(replicas) or [self.url], headers, min(timeout_s, 10.0))
+        self._listed = [u.rstrip("/") for u in replicas]
+        self._replicas = ReplicaSet([], headers, min(timeout_s, 10.0))  # (filled at start: _discover)
         self._kvchat: ReplicaSet | None = None  # the replicas that are kvchat engines (vLLM ones have no control)
         self._http: httpx.AsyncClient | None = None
         self._encoder: PromptEncoder | None = None
@@ -136,6 +138,7 @@ class RemoteEngine:
         from engine.model.loader import resolve_model
         from engine.tokenizer import Tokenizer
 
+        self._replicas.urls = self._listed or self._discover()
         answers, vllm = self._probe()
         resolved = resolve_model(self.model, self._cache_dir)
         tokenizer = Tokenizer(resolved.path)
@@ -150,6 +153,18 @@ class RemoteEngine:
         self._encoder = PromptEncoder(tokenizer, self._info.vocab_size, self._info.max_model_len, pool_tokens)
         kvchat_urls = [u for u in self._replicas.urls if u in answers]
         self._kvchat = ReplicaSet(kvchat_urls, self._headers, min(self._timeout_s, 10.0)) if kvchat_urls else None
+
+    def _discover(self) -> list[str]:
+        """The replicas behind ``url``: vllm-router's worker list (``/list_workers``), else ``url`` itself."""
+        try:
+            answer = self._replicas.call(self.url, "GET", "/list_workers")
+        except EngineError:
+            return [self.url]  # (a replica: it has no such route)
+        urls = answer.get("urls") if isinstance(answer, dict) else None
+        if not isinstance(urls, list) or not urls or not all(isinstance(u, str) for u in urls):
+            raise EngineProtocolError(f"{self.url}/list_workers answered no worker list: set KVCHAT_ENGINE_REPLICAS")
+        log.info("vllm-router at %s routes to %d replica(s): %s", self.url, len(urls), ", ".join(urls))
+        return sorted(u.rstrip("/") for u in urls)
 
     def _probe(self) -> tuple[dict[str, Any], dict[str, int]]:
         """Each replica's ``/kvchat/info`` answer, and the vLLM ones (no such route) with their context length."""

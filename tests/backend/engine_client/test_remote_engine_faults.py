@@ -91,6 +91,9 @@ class _Replica:
         if head.startswith("GET /kvchat/info"):
             await self._answer(writer, 200, "application/json", json.dumps(self.info).encode())
             return
+        if not head.startswith("POST /v1/completions"):  # (e.g. /list_workers: a replica is no router)
+            await self._answer(writer, 404, "application/json", b'{"error": {"code": "not_found"}}')
+            return
         mode = self.modes[min(self.completions, len(self.modes) - 1)]
         self.completions += 1
         if mode == "silent":

@@ -63,8 +63,7 @@ def cluster(tiny_model_dir: Path, pg_module_url: str, tmp_path_factory: pytest.T
         router.wait_healthy(60)
         env = tiny_server_env(
             pg_module_url, tiny_model_dir, tmp / "backend", reply_max_tokens=4,
-            engine_url=router.url, engine_replicas=",".join(r.url for r in replicas), engine_secret=SECRET,
-            engine_timeout_s=10,
+            engine_url=router.url, engine_secret=SECRET, engine_timeout_s=10,  # (replicas: the router's list)
         )  # fmt: skip
         backend = start_server_process(env, tmp / "backend.log")
         yield Cluster(replicas, router, backend)
