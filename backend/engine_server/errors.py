@@ -57,6 +57,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
+        if first.get("type") == "json_invalid":
+            return error_response(400, "invalid_request", "the body is not valid JSON")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error_response(400, "invalid_request", f"{where or 'body'}: {first.get('msg', 'invalid')}")
 
