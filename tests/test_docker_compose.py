@@ -50,7 +50,14 @@ def test_app_env_points_at_the_db_service_and_sets_a_secret() -> None:
 def test_ports_and_volumes() -> None:
     compose = _compose()
     assert compose["services"]["app"]["ports"] == ["8000:8000"]
-    assert set(compose["volumes"]) == {"pgdata", "appdata", "engine1data", "engine2data", "appscaleddata"}
+    assert set(compose["volumes"]) == {
+        "pgdata",
+        "appdata",
+        "engine1data",
+        "engine2data",
+        "appscaleddata",
+        "appscaled2data",
+    }
 
 
 def test_dockerfile_pins_torch_and_copies_what_the_app_needs() -> None:
@@ -61,10 +68,10 @@ def test_dockerfile_pins_torch_and_copies_what_the_app_needs() -> None:
     assert "HEALTHCHECK" in text
 
 
-def test_scale_out_profile_is_backend_router_and_two_replicas() -> None:
+def test_scale_out_profile_is_two_backend_workers_a_router_and_two_replicas() -> None:
     services = _compose()["services"]
     scaled = {name for name, s in services.items() if s.get("profiles") == ["scale-out"]}
-    assert scaled == {"engine-1", "engine-2", "router", "app-scaled"}
+    assert scaled == {"engine-1", "engine-2", "router", "app-scaled", "app-scaled-2"}
     for name in ("engine-1", "engine-2"):
         engine = services[name]
         assert engine["command"][:2] == ["kvchat", "engine-serve"]
@@ -80,4 +87,11 @@ def test_scale_out_profile_is_backend_router_and_two_replicas() -> None:
     assert app["environment"]["KVCHAT_ENGINE_REPLICAS"] == "http://engine-1:8100,http://engine-2:8100"
     assert app["depends_on"]["router"] == {"condition": "service_healthy"}
     assert app["ports"] == ["8001:8000"]
+    second = services["app-scaled-2"]  # a second worker: the same service, its own port and data, started after
+    assert {k: v for k, v in second.items() if k not in ("ports", "volumes", "depends_on")} == {
+        k: v for k, v in app.items() if k not in ("ports", "volumes", "depends_on")
+    }
+    assert second["ports"] == ["8002:8000"] and second["volumes"] != app["volumes"]
+    assert second["depends_on"] == {"app-scaled": {"condition": "service_healthy"}}
+    assert second["environment"]["KVCHAT_DATABASE_URL"].startswith("postgresql")  # the fan-out rides on Postgres
     assert "vllm-router" in (ROOT / "Dockerfile").read_text()
