@@ -43,7 +43,7 @@ from backend.context.rules import DEFAULT_RULES, RuleSet
 from backend.context.splitter import Splitter
 from backend.context.topic import TopicSettings, TopicTracker, identifier_keys
 from backend.domain import HistoryPolicy, MessageRole
-from backend.services.context_service import shared_scorer
+from backend.services.shared_scorer import shared_scorer
 from bench.datasets import CONVERSATIONS, GUIDELINES, DataNotFoundError, read_text, resolve
 from bench.shift_sets import mask_digits
 from bench.workload import render_policy, system_prompt

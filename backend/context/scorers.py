@@ -1,7 +1,7 @@
 """The topic scorers by name, as a tenant's ``similarity_backend`` setting names them (see ``topic.py``).
 
 Models load on first use: the classifiers' weights and the MiniLM files are read once per process by the caller
-that keeps the scorer (``backend/services/context_service.shared_scorer``).
+that keeps the scorer (``backend/services/shared_scorer.py``).
 """
 
 from __future__ import annotations

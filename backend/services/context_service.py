@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,10 +40,8 @@ from backend.context.builder import (
     build_context,
 )
 from backend.context.rules import RuleSet
-from backend.context.scorers import make_scorer
-from backend.context.similarity import MiniLMSimilarity
 from backend.context.splitter import Splitter
-from backend.context.topic import ShiftScorer, TopicSettings, TopicState, TopicTracker, TopicUpdate, identifier_keys
+from backend.context.topic import TopicState, TopicTracker, TopicUpdate, identifier_keys
 from backend.core.errors import SessionNotFoundError, TenantNotFoundError
 from backend.core.namespaces import Namespaces
 from backend.core.offload import run_cpu
@@ -55,6 +52,7 @@ from backend.engine_client.values import InvalidationResult, SegmentedPrompt, To
 from backend.services import context_store
 from backend.services import sessions as store
 from backend.services.context_store import ContextSettings, RuleSetCache
+from backend.services.shared_scorer import shared_scorer
 from backend.services.tool_exchange import ToolExchange
 from backend.tools.family import detect_family
 from backend.tools.prompt import offer
@@ -152,46 +150,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-class _Locked:
-    """A topic scorer shared by worker threads (the embedding caches are not thread-safe). Scorers that share the
-    MiniLM encoder share its lock too."""
-
-    def __init__(self, scorer: ShiftScorer, minilm: MiniLMSimilarity | None, lock: threading.Lock) -> None:
-        self.name = scorer.name
-        self.minilm = minilm
-        self._scorer = scorer
-        self.lock = lock
-
-    def on_topic(self, message: str, found: frozenset[str], state: TopicState, settings: TopicSettings) -> float:
-        with self.lock:
-            return self._scorer.on_topic(message, found, state, settings)
-
-    def prepare(self, text: str) -> None:
-        """Embed an agent reply now, so the customer's next message finds it cached (a no-op for other scorers)."""
-        prepare = getattr(self._scorer, "prepare", None)
-        if prepare is not None:
-            with self.lock:
-                prepare(text)
-
-
-_SCORERS: dict[str, _Locked] = {}
-_SCORERS_LOCK = threading.Lock()
-_USES_MINILM = frozenset({"minilm", "clf-minilm"})
-
-
-def shared_scorer(name: str) -> _Locked:
-    """One instance per scorer for the process: weights are loaded once, on first use; the MiniLM encoder (and its
-    embedding cache) is shared by the scorers that use it."""
-    with _SCORERS_LOCK:
-        if name not in _SCORERS:
-            minilm, lock = None, threading.Lock()
-            if name in _USES_MINILM:
-                sharing = next((s for s in _SCORERS.values() if s.minilm is not None), None)
-                minilm, lock = (sharing.minilm, sharing.lock) if sharing else (MiniLMSimilarity(), lock)
-            _SCORERS[name] = _Locked(make_scorer(name, minilm), minilm, lock)
-        return _SCORERS[name]
 
 
 class ContextService:

@@ -10,7 +10,8 @@ from backend.core.namespaces import Namespaces
 from backend.db.engine import create_db_engine, create_sessionmaker
 from backend.domain import MessageStatus
 from backend.services import sessions as store
-from backend.services.context_service import ContextService, SessionContext, shared_scorer
+from backend.services.context_service import ContextService, SessionContext
+from backend.services.shared_scorer import shared_scorer
 from backend.services.tenants import bootstrap_default_tenant
 from engine.llm_engine import LLMEngine
 
