@@ -51,6 +51,7 @@ from backend.db.engine import create_db_engine, create_sessionmaker, live_worker
 from backend.db.models import utcnow
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.remote import RemoteEngine
+from backend.openai.request_plan import DEFAULT_MAX_N
 from backend.openai.service import ChatCompletions, served_model_id
 from backend.services import cache_admin
 from backend.services.context_service import ContextService
@@ -199,7 +200,7 @@ async def _start_phases(
         sessionmaker=sessionmaker,
         engine=llm,
         chat=chat,
-        completions=ChatCompletions(llm, served_model_id(model), metrics),
+        completions=ChatCompletions(llm, served_model_id(model), metrics, max_n=min(DEFAULT_MAX_N, capacity)),
         metrics=metrics,
         namespaces=namespaces,
         admission=Admission(capacity),
