@@ -19,6 +19,7 @@ from engine.errors import InvalidSamplingParamsError
 
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
+MIN_REPETITION_PENALTY = 0.01  # below it a logit divided by the penalty overflows
 MAX_LOGIT_BIAS = 1024  # entries; each bias in [-100, 100] (OpenAI's range)
 MAX_GRAMMAR_CHARS = 1 << 20
 
@@ -150,9 +151,10 @@ class SamplingParams:
         def bad(msg: str) -> InvalidSamplingParamsError:
             return InvalidSamplingParamsError(msg)
 
-        # NOTE: vLLM's ranges: a repetition penalty is any positive factor; the two OpenAI penalties are in [-2, 2].
-        if not _finite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
-            raise bad(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        # NOTE: vLLM takes any positive repetition penalty; below 0.01 a logit divided by it overflows to inf, so the
+        # floor is 0.01 (the two OpenAI penalties are in [-2, 2], as in vLLM).
+        if not _finite(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0:
+            raise bad(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _finite(value) or not -2.0 <= value <= 2.0:

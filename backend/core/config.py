@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     reply_top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     reply_top_k: int = Field(default=0, ge=0)
     reply_min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    reply_repetition_penalty: float = Field(default=1.2, gt=0.0, le=2.0)  # measured: docs/benchmarks.md, "Replies"
+    reply_repetition_penalty: float = Field(default=1.2, ge=0.01, le=2.0)  # measured: docs/benchmarks.md, "Replies"
     reply_presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     reply_frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # Tenants' tools: may the bot call endpoints on loopback/private addresses (the server's own network)?

@@ -155,7 +155,7 @@ class ChatCompletionRequest(BaseModel):
     # vLLM's extensions
     top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
 

@@ -8,8 +8,9 @@ from engine.errors import InvalidSamplingParamsError
 from engine.sampling_params import GrammarKind, SamplingParams, StructuredOutput
 
 REFUSED = [
-    ({"repetition_penalty": 0.0}, r"^repetition_penalty must be in \(0, 100\], got 0\.0$"),
-    ({"repetition_penalty": float("nan")}, r"^repetition_penalty must be in \(0, 100\], got nan$"),
+    ({"repetition_penalty": 0.0}, r"^repetition_penalty must be in \[0\.01, 100\], got 0\.0$"),
+    ({"repetition_penalty": 5e-324}, r"^repetition_penalty must be in \[0\.01, 100\], got 5e-324$"),  # (overflows)
+    ({"repetition_penalty": float("nan")}, r"^repetition_penalty must be in \[0\.01, 100\], got nan$"),
     ({"presence_penalty": 2.5}, r"^presence_penalty must be in \[-2, 2\], got 2\.5$"),
     ({"frequency_penalty": -2.01}, r"^frequency_penalty must be in \[-2, 2\], got -2\.01$"),
     ({"min_p": 1.5}, r"^min_p must be in \[0, 1\], got 1\.5$"),

@@ -25,7 +25,7 @@ class ReplySettingsIn(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=1_000_000, description="0 = off")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="0 = off")
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, description="1 = off; > 1 discourages repeats")
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=2.0, description="1 = off; > 1 discourages repeats")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     stop: list[StopString] = Field(default_factory=list, max_length=16, description="the reply ends before any")
