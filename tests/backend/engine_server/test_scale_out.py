@@ -187,6 +187,47 @@ async def test_kill_9_of_a_replica_mid_session_moves_the_session_without_an_erro
     assert "Traceback" not in cluster.backend.log()
 
 
+async def test_a_reply_streaming_when_its_replica_dies_is_stored_incomplete_and_named_on_resume(
+    cluster: Cluster, pg_module_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Past its first token a reply cannot move to another replica: the customer gets an error frame, the text so
+    far is stored ``incomplete``, and a resume names it in ``welcome.cut_off``. (Its own backend: the module's
+    replies are 4 tokens, too short to kill one mid-stream.)"""
+    alive = ",".join(r.url for r in cluster.replicas if r.proc.poll() is None)  # (an earlier test killed one)
+    env = tiny_server_env(
+        pg_module_url, tiny_model_dir, tmp_path / "backend", reply_max_tokens=600, engine_replicas=alive,
+        engine_url=cluster.router.url, engine_secret=SECRET, engine_timeout_s=10, run_migrations_on_start="false",
+    )  # fmt: skip
+    backend = await asyncio.to_thread(start_server_process, env, tmp_path / "backend.log")
+    try:
+        async with websockets.connect(backend.ws) as ws:
+            session = await Chat(ws).hello(CHAT_TOKEN)
+            await ws.send(json.dumps({"type": "user.message", "client_msg_id": "long", "text": "Tell me everything."}))
+            frames: list[dict[str, Any]] = []
+            async with asyncio.timeout(TIMEOUT_S):
+                while not frames or frames[-1]["type"] not in ("message.delta", "error"):
+                    frames.append(json.loads(await ws.recv()))
+                assert frames[-1]["type"] == "message.delta", frames
+                for replica in cluster.replicas:  # (whichever serves it: the ones still alive)
+                    if replica.proc.poll() is None:
+                        await asyncio.to_thread(replica.kill)
+                while frames[-1]["type"] != "message.completed":
+                    frames.append(json.loads(await ws.recv()))
+        seq = next(f["seq"] for f in frames if f["type"] == "message.ack")
+        errors = [f for f in frames if f["type"] == "error"]
+        assert [e["code"] for e in errors] == ["unavailable"], frames[-3:]
+        completed = frames[-1]
+        assert completed["status"] == "incomplete", completed
+        assert completed["text"] == "".join(f["text"] for f in frames if f["type"] == "message.delta")
+        async with websockets.connect(backend.ws) as ws:
+            await ws.send(json.dumps({"type": "hello", "token": CHAT_TOKEN, "session_id": session}))
+            welcome = json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT_S))
+        assert welcome["cut_off"] == [seq], welcome
+        assert "Traceback" not in backend.log()
+    finally:
+        backend.kill()
+
+
 async def test_with_no_replica_left_a_turn_is_a_clear_error_frame_not_a_hang(cluster: Cluster) -> None:
     for replica in cluster.replicas:
         replica.kill()
