@@ -172,18 +172,21 @@ async def test_an_erase_reaches_a_session_that_sits_on_both_replicas(cluster: Cl
 async def test_kill_9_of_a_replica_mid_session_moves_the_session_without_an_error(cluster: Cluster) -> None:
     async with websockets.connect(cluster.backend.ws) as ws:
         chat = Chat(ws)
-        await chat.hello(CHAT_TOKEN)
+        session = await chat.hello(CHAT_TOKEN)
         before = cluster.finished()
         await chat.turn("My parcel is late.")
         warm = await chat.turn("It was sent two weeks ago.")
         home = next(i for i, n in enumerate(cluster.served_by(before)) if n)
         assert warm["usage"]["cached_tokens"] > 0
-        cluster.replicas[home].kill()
         other = cluster.replicas[1 - home]
+        # a miss: the other replica holds none of this session's blocks (what it may hit is the tenant's shared
+        # prefix, which earlier tests put on both replicas)
+        assert other.footprint(session) == 0
+        cluster.replicas[home].kill()
         other_before = other.finished()
         moved = await chat.turn("Any news?")  # (Chat.turn fails on an error frame or an incomplete reply)
         assert other.finished() > other_before
-        assert moved["usage"]["cached_tokens"] < warm["usage"]["prompt_tokens"] // 2  # a miss: only shared parts
+        assert moved["usage"]["cached_tokens"] <= warm["usage"]["cached_tokens"] < moved["usage"]["prompt_tokens"]
     assert "Traceback" not in cluster.backend.log()
 
 
