@@ -10,11 +10,14 @@ import asyncio
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import event, text
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL, Dialect, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+from backend.db import sqlite_driver
 
 WORKER_PREFIX = "kvchat-worker:"
 
@@ -72,6 +75,7 @@ def create_db_engine(url: str, application_name: str | None = None) -> AsyncEngi
     if parsed.get_backend_name() == "sqlite":
         ensure_sqlite_dir(url)
         engine = create_async_engine(url, connect_args={"timeout": 30})
+        event.listen(engine.sync_engine, "do_connect", _one_trip_sqlite)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
     connect_args = {"server_settings": {"application_name": application_name}} if application_name else {}
@@ -106,6 +110,13 @@ async def live_workers(engine: AsyncEngine) -> set[str]:
             {"prefix": WORKER_PREFIX + "%"},
         )
     return {str(name) for name in rows.scalars()}
+
+
+def _one_trip_sqlite(dialect: Dialect, _record: object, cargs: list[Any], cparams: dict[str, Any]) -> object:
+    # NOTE: SQLAlchemy's own connect (the URL's arguments, then its adapter), on aiosqlite connections that make one
+    # trip to their thread per statement instead of four (``backend/db/sqlite_driver.py``). ``async_creator_fn`` is
+    # how ``create_async_engine(async_creator=...)`` hands the adapter its connection; here it keeps the arguments.
+    return dialect.loaded_dbapi.connect(*cargs, async_creator_fn=sqlite_driver.connect, **cparams)
 
 
 def _sqlite_pragmas(dbapi_conn: object, _record: object) -> None:
