@@ -10,7 +10,7 @@ out of the chat's rule set, with one log line per compile, rather than stopping 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -135,12 +135,21 @@ async def save_settings(db: AsyncSession, tenant_id: str, settings: ContextSetti
     await db.flush()
 
 
-async def save_blocks(db: AsyncSession, session_id: str, message_id: int, blocks: Sequence[Block]) -> list[int]:
+async def save_blocks(
+    db: AsyncSession,
+    session_id: str,
+    message_id: int,
+    blocks: Sequence[Block],
+    known: Mapping[BlockKey, int] | None = None,
+) -> list[int]:
     """Store one message's blocks in order, their parents resolved to row ids; returns the new ids.
 
     A parent is a ``BlockKey`` (message seq, index): earlier in this message, or in an earlier message of the session.
+    ``known``: row ids the caller read already (the session's context); parents among them are not looked up again.
     """
-    earlier = await _block_ids(db, session_id, {b.parent for b in blocks if b.parent is not None})
+    known, own = known or {}, {b.key for b in blocks}
+    missing = {b.parent for b in blocks if b.parent is not None and b.parent not in known and b.parent not in own}
+    earlier = {**known, **await _block_ids(db, session_id, missing)}
     ids: list[int] = []
     for block in blocks:
         row = SemanticBlock(

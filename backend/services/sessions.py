@@ -73,11 +73,26 @@ async def find_reply(db: AsyncSession, session_id: str, user_seq: int) -> Messag
     return row.scalar_one_or_none()
 
 
+async def lock_session(db: AsyncSession, tenant_id: str, session_id: str) -> ChatSession:
+    """The tenant's session, locked for this transaction (its last activity set); ``SessionNotFoundError`` when the
+    tenant has no such session. ``add_user_message(locked=...)`` then stores into it."""
+    session = await _lock_session(db, session_id)
+    if session.tenant_id != tenant_id:
+        raise SessionNotFoundError(f"session {session_id} not found")
+    return session
+
+
 async def _lock_session(db: AsyncSession, session_id: str) -> ChatSession:
     # NOTE: a write first: it takes SQLite's database write lock (FOR UPDATE is a no-op there and the driver opens the
     # transaction lazily), and the row lock on Postgres, so two inserts into one session never read the same max(seq).
-    await db.execute(update(ChatSession).where(ChatSession.id == session_id).values(last_active_at=utcnow()))
-    row = await db.execute(select(ChatSession).where(ChatSession.id == session_id).with_for_update())
+    # RETURNING reads the row in the same statement (one round trip, not an update then a select).
+    row = await db.execute(
+        update(ChatSession)
+        .where(ChatSession.id == session_id)
+        .values(last_active_at=utcnow())
+        .returning(ChatSession)
+        .execution_options(populate_existing=True)
+    )
     session = row.scalar_one_or_none()
     if session is None:
         raise SessionNotFoundError(f"session {session_id} not found")
@@ -90,16 +105,23 @@ async def _next_seq(db: AsyncSession, session_id: str) -> int:
 
 
 async def add_user_message(
-    db: AsyncSession, session_id: str, client_msg_id: str, text: str, awaiting_reply: bool = False
+    db: AsyncSession,
+    session_id: str,
+    client_msg_id: str,
+    text: str,
+    awaiting_reply: bool = False,
+    locked: ChatSession | None = None,
 ) -> tuple[Message, bool]:
     """Insert the user's message and commit; return ``(message, duplicate)``. Idempotent on ``client_msg_id``.
 
     ``awaiting_reply``: the bot will answer it (the message is stored ``awaiting_reply`` until its reply is).
+    ``locked``: the session, locked in this transaction already (``lock_session``).
     """
     existing = await find_by_client_msg_id(db, session_id, client_msg_id)
     if existing is not None:
         return existing, True
-    await _lock_session(db, session_id)  # (its update is the session's last activity)
+    if locked is None:
+        await _lock_session(db, session_id)  # (its update is the session's last activity)
     status = MessageStatus.AWAITING_REPLY if awaiting_reply else MessageStatus.COMPLETE
     message = Message(
         session_id=session_id,

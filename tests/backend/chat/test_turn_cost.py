@@ -95,11 +95,12 @@ async def test_a_turn_reads_its_context_once_and_tokenizes_its_prompt_once(
     assert statements.matching("FROM topic_history") == 1
     assert statements.matching("JOIN tenants") == 1
     assert statements.by_kind() == {
-        # submit 6: the session; the client_msg_id lookup; the session lock (update + select); the next seq; insert.
-        # observation 5: its blocks' parents, 2 blocks, the topic row, the session's topic.
-        # reply 6: the session lock (2); its existing reply; the next seq; insert; the message settled.
-        # reply blocks 2: their parents, 1 block. The reply setup 2: the tenant's reply settings, its tools.
-        "SELECT": 16,
+        # submit 4: the session locked and read (update … returning); the client_msg_id lookup; the next seq; insert.
+        # observation 4: 2 blocks, the topic row, the session's topic (parents: from the context read, or each other).
+        # reply 5: the session lock (1); its existing reply; the next seq; insert; the message settled.
+        # reply blocks 1: 1 block. The reply setup 2: the tenant's reply settings, its tools.
+        # (26 statements a turn before the locks returned their row and the context's block ids were reused)
+        "SELECT": 11,
         "INSERT": 6,
         "UPDATE": 4,
     }
