@@ -16,8 +16,7 @@ Turn semantics:
 * turns of one session run one at a time, in order; tokenizing runs in a worker thread, off the event loop, once per
   turn: the engine runs the tokenized prompt;
 * a turn reads the session's context from the database once: the read its message was observed with, reused while
-  nothing else of the session was stored since (``ContextService.is_current``); that read and the tenant's reply setup
-  run while the message is being stored (``backend/chat/early_reads.py``);
+  nothing else of the session was stored since (``ContextService.is_current``);
 * the context layer (``backend/services/context_service.py``) splits every stored message into blocks and moves the
   session's topic; the prompt is the context builder's, under the tenant's history policy; when it drops an epoch the
   previous prompt had, the engine frees those cached blocks. A failure there never costs the customer the reply.
@@ -34,7 +33,6 @@ from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from backend.chat.early_reads import EarlyReads
 from backend.chat.hub import Send, SessionHub
 from backend.chat.prompt import ChatMessage, asks_for_human
 from backend.chat.protocol import (
@@ -231,7 +229,6 @@ class ChatService:
             await self._store_and_start(tenant, session_id, frame, reply_to)
 
     async def _store_and_start(self, tenant: Tenant, session_id: str, frame: UserMessage, reply_to: Send) -> None:
-        early = EarlyReads(self._sm, self.context, self.reply.defaults, tenant.id, session_id)
         async with self._sm() as db:
             # NOTE: locked first (a write: SQLite's write lock, Postgres's row lock), so the status read is the one the
             # message is stored under; a closed session or a duplicate leaves by the rollback.
@@ -253,25 +250,23 @@ class ChatService:
             return
         if self._turns.get(session_id, frame.client_msg_id) is not None:
             return  # attached: this socket already receives the session's deltas
-        context = None if duplicate else await self._observe_customer(tenant.id, session_id, message, early)
+        context = None if duplicate else await self._observe_customer(tenant.id, session_id, message)
         status = before if duplicate else await self._after_customer_message(session_id, before, frame.text)
         if status == SessionStatus.BOT_ACTIVE:
             if duplicate:  # a retry restarts a turn that left no reply (busy, an error): it is owed one again
                 async with self._sm() as db:
                     await store.await_reply(db, message)
-            turn = Turn(session_id, tenant.id, frame.client_msg_id, message.seq, context, early=early)
+            turn = Turn(session_id, tenant.id, frame.client_msg_id, message.seq, context)
             self._turns.start(turn, self._runner.run)
         elif status == before:
             # NOTE: tell the sender no bot reply is coming (a status change was already published to everyone).
             reply_to(SessionStatusFrame(session_id=session_id, status=status.value))
 
-    async def _observe_customer(
-        self, tenant_id: str, session_id: str, message: Message, early: EarlyReads
-    ) -> SessionContext | None:
+    async def _observe_customer(self, tenant_id: str, session_id: str, message: Message) -> SessionContext | None:
         """Split the message, move the topic; announce a topic shift to every socket of the session. Returns the
         session's context as it stands after (the turn's prompt starts from it), or None when the layer failed."""
         try:
-            observed = await self.context.observe_customer(tenant_id, session_id, message, await early.context())
+            observed = await self.context.observe_customer(tenant_id, session_id, message)
         except Exception:
             # NOTE: the context layer is bookkeeping around the turn: when it fails, the customer still gets a reply
             # (the message joins the history unsplit, in the epoch of the message before it).

@@ -101,14 +101,11 @@ class TurnRunner:
         finished: RequestFinished | None = None
         exchange: ToolExchange | None = None
         try:
-            setup = await turn.early.setup() if turn.early is not None else None
-            if setup is None:
-                setup = await with_db_retry(
-                    self._sm,
-                    f"reading the reply settings of {turn.tenant_id}",
-                    lambda db: reply_setup.load(db, turn.tenant_id, self.reply.defaults),
-                )
-            turn.early = None
+            setup = await with_db_retry(
+                self._sm,
+                f"reading the reply settings of {turn.tenant_id}",
+                lambda db: reply_setup.load(db, turn.tenant_id, self.reply.defaults),
+            )
             prepared = await self._prompt(turn, setup)
             # NOTE: checked after the awaits above too: a cancel or a drain may arrive meanwhile
             if not (turn.cancelled or turn.interrupted):

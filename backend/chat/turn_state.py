@@ -7,7 +7,6 @@ import asyncio
 import uuid
 from dataclasses import dataclass, field
 
-from backend.chat.early_reads import EarlyReads
 from backend.chat.protocol import Topic
 from backend.services.context_service import SessionContext
 
@@ -31,7 +30,6 @@ class Turn:
     interrupted: bool = False  # cut off by shutdown: stored incomplete
     task: asyncio.Task[None] | None = None
     topic: Topic | None = None  # the topic of the message it answers (known once the prompt is built)
-    early: EarlyReads | None = None  # the reads begun while its message was stored (its reply setup)
 
     @property
     def text(self) -> str:

@@ -24,9 +24,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -173,20 +172,14 @@ class ContextService:
 
     # ------------------------------------------------------------------ messages
 
-    async def observe_customer(
-        self, tenant_id: str, session_id: str, message: Message, before: SessionContext | None = None
-    ) -> Observation:
+    async def observe_customer(self, tenant_id: str, session_id: str, message: Message) -> Observation:
         """Move the session's topic with a new customer message and store the message's blocks (committed).
 
-        ``before``: the context read while the message was being stored (``read_before``); used when nothing else of
-        the session was stored since it was read, else the context is read again.
         Returns the context as it stands after: the turn answering the message builds its prompt from it, unless
         the session changed meanwhile (``is_current``).
         """
-        ctx = self._with_message(before, message) if before is not None else None
-        if ctx is None:
-            async with self._sm() as db:
-                ctx = await self.load(db, tenant_id, session_id)
+        async with self._sm() as db:
+            ctx = await self.load(db, tenant_id, session_id)
         update, blocks = await run_cpu(tenant_id, self._observe_customer, ctx, message)
         async with self._sm() as db:
             ids = await context_store.save_blocks(db, session_id, message.id, blocks, ctx.block_ids)
@@ -206,26 +199,6 @@ class ContextService:
         async with self._sm() as db:
             await context_store.save_blocks(db, session_id, message.id, blocks, ctx.block_ids)
             await db.commit()
-
-    def read_before(self, tenant_id: str, session_id: str) -> Coroutine[Any, Any, SessionContext]:
-        """The session's context, read (in a session of its own) while its next customer message is being stored:
-        ``observe_customer(before=...)`` adds the message to it instead of reading everything again after."""
-        version = self._versions.get(session_id, 0)  # NOTE: taken now, before the store announces its change
-        return self._read(tenant_id, session_id, version)
-
-    async def _read(self, tenant_id: str, session_id: str, version: int) -> SessionContext:
-        async with self._sm() as db:
-            return dataclasses.replace(await self.load(db, tenant_id, session_id), version=version)
-
-    def _with_message(self, before: SessionContext, message: Message) -> SessionContext | None:
-        """``before`` with customer message ``message`` added, as ``load`` would read it now; None when anything else
-        of the session was stored since ``before`` was read (its reads may have missed it)."""
-        version = self._versions.get(before.session_id, 0)
-        if version != before.version + 1:  # NOTE: + 1: the message's own store
-            return None
-        messages = [*(m for m in before.messages if m.seq != message.seq), message]
-        customer = {seq: before.epochs[seq] for seq in before.temperatures if seq in before.epochs}
-        return dataclasses.replace(before, messages=messages, epochs=_epochs(messages, customer), version=version)
 
     def _observe_reply(self, ctx: SessionContext, message: Message, epoch: int) -> list[Block]:
         # NOTE: the topic scorer embeds the reply now, so the customer's next message, which waits on the scorer,
