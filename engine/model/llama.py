@@ -280,30 +280,24 @@ class LlamaModel:
         x = F.embedding(input_ids, self.weights.embed)
         rope = _Rope(self.rope, positions)
         groups = row_groups(plan, self.wide_rows)
-        paths = _Paths()
         for i, layer in enumerate(self.weights.layers):
-            x = self._layer(x, layer, rope, plan, kv_pool[i], groups, paths)
+            x = self._layer(x, layer, rope, plan, kv_pool[i], groups)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of rows of ``hidden_states``: the final norm, then the LM head."""
         return linear(self._norm(hidden, self.weights.norm), self.weights.lm_head).float()
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor, paths: _Paths | None = None) -> torch.Tensor:
-        paths = paths or _Paths()
-        if paths.norm is None:
-            paths.norm = self.norm_kernel is not None and cpu_kernels.norm_supported(x, weight, None)
-        if paths.norm and self.norm_kernel is not None:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.norm_kernel is not None and cpu_kernels.norm_supported(x, weight, None):
             return cpu_kernels.rms_norm(self.norm_kernel, x, weight, self.spec.rms_norm_eps)
         return F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
 
     def _add_norm(
-        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, paths: _Paths
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + delta, rms_norm(x + delta))``; the kernel adds into ``x`` in place (it is this step's own tensor)."""
-        if paths.add_norm is None:
-            paths.add_norm = self.norm_kernel is not None and cpu_kernels.norm_supported(x, weight, delta)
-        if paths.add_norm and self.norm_kernel is not None:
+        if self.norm_kernel is not None and cpu_kernels.norm_supported(x, weight, delta):
             return x, cpu_kernels.rms_norm(self.norm_kernel, x, weight, self.spec.rms_norm_eps, delta)
         x = x + delta
         return x, F.rms_norm(x, (self.spec.hidden_size,), weight, self.spec.rms_norm_eps)
@@ -316,27 +310,22 @@ class LlamaModel:
         plan: AttentionPlan,
         kv: torch.Tensor,
         groups: list[tuple[int, int]] | None = None,
-        paths: _Paths | None = None,
     ) -> torch.Tensor:
-        spec, paths = self.spec, paths or _Paths()
+        spec = self.spec
         n, heads, kv_heads, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
-        h = self._norm(x, w.input_norm, paths)
+        h = self._norm(x, w.input_norm)
         qkv = linear_rows(h, w.qkv, w.qkv_bias, groups)
-        if paths.rope is None:
-            fused = w.q_norm is None and cpu_kernels.rope_supported(qkv, rope.table, kv, rope.positions, plan.slots)
-            paths.rope = self.rope_kernel is not None and fused
-        if paths.rope and self.rope_kernel is not None:
+        fused = w.q_norm is None and cpu_kernels.rope_supported(qkv, rope.table, kv, rope.positions, plan.slots)
+        if self.rope_kernel is not None and fused:
             # NOTE: one C call instead of ~10 ops (slices, cat, 3 products, 2 index_copy_) per layer and step
             table, positions = rope.table, rope.positions
             q = cpu_kernels.rope_store(self.rope_kernel, qkv, heads, kv_heads, table, positions, plan.slots, *kv)
         else:
             q = self._rope_and_store(qkv, w, rope, plan, kv)
         attn = attend(q, kv[0], kv[1], plan).reshape(n, heads * d)
-        x, h = self._add_norm(x, linear_rows(attn, w.o, w.o_bias, groups), w.post_norm, paths)
+        x, h = self._add_norm(x, linear_rows(attn, w.o, w.o_bias, groups), w.post_norm)
         gate_up = linear_rows(h, w.gate_up, None, groups)
-        if paths.act is None:
-            paths.act = self.activation_kernel is not None and cpu_kernels.silu_mul_supported(gate_up)
-        if paths.act and self.activation_kernel is not None:
+        if self.activation_kernel is not None and cpu_kernels.silu_mul_supported(gate_up):
             act = cpu_kernels.silu_mul(self.activation_kernel, gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -363,18 +352,6 @@ class LlamaModel:
         qk = _apply_rope(qk, cos, sin)
         write_kv(kv[0], kv[1], plan, qk[:, heads:], v)
         return qk[:, :heads]
-
-
-@dataclass(slots=True)
-class _Paths:
-    """Whether a step's layers take the norm, RoPE and activation kernels (None: not asked yet), decided on the first
-    layer's tensors and kept for the others: every layer of a step has the same shapes, dtypes and layouts (the
-    loader builds each layer's weights alike), so the checks run once a step instead of once a layer."""
-
-    norm: bool | None = None
-    add_norm: bool | None = None
-    rope: bool | None = None
-    act: bool | None = None
 
 
 @dataclass(slots=True)
