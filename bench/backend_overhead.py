@@ -38,7 +38,7 @@ from websockets.asyncio.client import ClientConnection
 
 from bench.datasets import CONVERSATIONS
 from bench.load import CHAT_TOKEN, LoadConfig, Server, running_server
-from bench.reporting import machine_info, reproduce_command
+from bench.reporting import machine_info, reproduce_command, write_json
 from bench.shift_sets import load_conversations
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -208,8 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "result": result,
         "turns": [asdict(t) | {"overhead_ms": round(t.overhead_ms, 3)} for t in turns],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(f"wrote {args.out}\nreproduce: {command}")
     return 0
 

@@ -38,7 +38,7 @@ import httpx
 
 from bench.datasets import CONVERSATIONS, GUIDELINES
 from bench.metrics import percentile
-from bench.reporting import machine_info, reproduce_command
+from bench.reporting import machine_info, reproduce_command, write_json
 from bench.workload import load_conversations, load_guidelines, render_policy, system_prompt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -325,8 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(markdown(report))
     print(f"affinity hit-rate gap {gap:.2f} points (target ≤ {TARGET_HIT_POINTS:g}); router adds {added:.2f} ms p50 "
           f"(target ≤ {TARGET_ROUTER_P50_MS:g})")  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     print(f"wrote {args.out}\nreproduce: {report['command']}")
     return 0
 
