@@ -56,11 +56,26 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
    1k context, bf16, 30 layers, K/V from memory: 21.3 -> 17.2 ms together with the bf16 value pairs and the scores
    summed in registers (in cache: 12.3 -> 10.5), 15.5-16.5 ms with 128-token items (PART). Tried: whole records
    (every kv head) in token order, spread over the passes: 17.3 vs 16.2 ms here; prefetching into L1 (T0): twice
-   as slow. */
+   as slow.
+   AVX2 builds without AVX-512 fetch whole records instead (RECORD_FETCH): each call of pf_token takes the next
+   dim * esize bytes of the next item's records, token by token, K and V line by line, so a token's passes (two per
+   kv head) fetch one token's records, in address order. Zen 2 EPYC, fp32, 30 layers, K/V from memory, interleaved
+   rounds: 16 x 2k 81 vs 111 ms (the rows of one kv head a pass, pipelined or not: 111), 1 x 2k 6.0 vs 8.3, 16 x 1k
+   41.5 vs 56; same bits (only prefetches move). There two fp32 items (384 KiB) do not fit in half of the 512 KiB L2,
+   so the rows-a-pass fetch was off; record fetches pipeline whenever two items fit in all of it. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define RECORD_FETCH 1
+#else
+#define RECORD_FETCH 0
+#endif
 typedef struct {
-    const char *k, *v;   /* the next item's pools, offset to the kv head this pass fetches for */
+    const char *k, *v;   /* the next item's pools, offset to the kv head this pass fetches for (RECORD_FETCH: to
+                            its first kv head) */
     const int64_t *offs; /* its tokens' element offsets */
     int64_t n;           /* its tokens (0: nothing to fetch) */
+    int records;         /* (RECORD_FETCH) fetch its whole records in order: the next item holds every kv head */
+    int64_t rec_lines;   /* (RECORD_FETCH) cache lines of one token's record in one pool */
+    int64_t *at;         /* (RECORD_FETCH) where the record fetch stands: token, line */
 } pf_next;
 
 /* Token i's row (one kv head: dim elements of esize bytes) into L2. NOTE: dim and esize are arguments, not fields,
@@ -70,6 +85,24 @@ typedef struct {
    -> 19.2-21.9; same bits. */
 static inline __attribute__((always_inline)) void pf_token(const pf_next *p, const char *base, const int64_t i,
                                                            const int64_t dim, const int64_t esize) {
+#if RECORD_FETCH
+    if (p->records) { /* the next dim * esize bytes of records, K and V in turn (see pf_next) */
+        int64_t tok = p->at[0], line = p->at[1];
+        if (tok >= p->n) return;
+        const char *kr = p->k + p->offs[tok] * esize, *vr = p->v + p->offs[tok] * esize;
+        for (int64_t c = 0; c < dim * esize; c += 128) {
+            __builtin_prefetch(kr + line * 64, 0, 2);
+            __builtin_prefetch(vr + line * 64, 0, 2);
+            if (++line == p->rec_lines) {
+                line = 0;
+                if (++tok >= p->n) break;
+                kr = p->k + p->offs[tok] * esize, vr = p->v + p->offs[tok] * esize;
+            }
+        }
+        p->at[0] = tok, p->at[1] = line;
+        return;
+    }
+#endif
     if (i < p->n) {
         const char *row = base + p->offs[i] * esize;
         for (int64_t c = 0; c < dim * esize; c += 64) __builtin_prefetch(row + c, 0, 2); /* (into L2) */
@@ -312,8 +345,11 @@ void kvchat_paged_decode(
     const int64_t esize = bf16 ? 2 : 4;
     /* the pipelined prefetch holds two items' K/V in L2: only where they take at most half of it (else each item
        fetches its own tokens PREFETCH ahead). SmolLM2, 128-token items: 96 KiB in bf16, 192 in fp32. Measured, 16 x
-       1k context, 30 layers, fp32 (384 KiB for two items) on a Zen 3 EPYC (512 KiB L2): 50 ms pipelined, 44 not. */
-    const int pipelined = 2 * (2 * part_len * 2 * (grouped ? kv_heads : 1) * dim * esize) <= l2_bytes();
+       1k context, 30 layers, fp32 (384 KiB for two items) on a Zen 3 EPYC (512 KiB L2): 50 ms pipelined, 44 not
+       (a kv head's rows a pass). Record fetches (RECORD_FETCH) pipeline where two items fit in all of L2. */
+    const int64_t two_items = 2 * part_len * 2 * (grouped ? kv_heads : 1) * dim * esize;
+    const int records = RECORD_FETCH && grouped && (kv_heads * dim * esize) % 64 == 0 && (dim * esize) % 128 == 0;
+    const int pipelined = (records ? two_items : 2 * two_items) <= l2_bytes();
 
 #pragma omp parallel num_threads(nthreads)
     {
@@ -345,7 +381,8 @@ void kvchat_paged_decode(
             const int64_t b = grouped ? task / nparts : task / (kv_heads * nparts), p = task % nparts;
             const int64_t kv_lo = grouped ? 0 : (task / nparts) % kv_heads, kv_hi = grouped ? kv_heads : kv_lo + 1;
             const int64_t n = task_len(task, grouped, nparts, kv_heads, part_len, lens);
-            pf_next pf = {0};
+            int64_t at[2] = {0, 0};
+            pf_next pf = {.records = records, .rec_lines = kv_heads * dim * esize / 64, .at = at};
             int64_t next_kv = 0;
             if (task + 1 < hi) {
                 const int64_t next_n = task_offs(task + 1, grouped, nparts, kv_heads, part_len, dim, block_size,
@@ -363,14 +400,17 @@ void kvchat_paged_decode(
                 }
                 const char *kc = (const char *)k_cache + kvh * dim * esize;
                 const char *vc = (const char *)v_cache + kvh * dim * esize;
-                /* this pass fetches the next item's rows of its kv head number (kvh - kv_lo) */
-                pf.k = (const char *)k_cache + (next_kv + kvh - kv_lo) * dim * esize;
-                pf.v = (const char *)v_cache + (next_kv + kvh - kv_lo) * dim * esize;
+                /* this pass fetches the next item's rows of its kv head number (kvh - kv_lo); records from the first */
+                const int64_t fetch_kv = records ? 0 : next_kv + kvh - kv_lo;
+                pf.k = (const char *)k_cache + fetch_kv * dim * esize;
+                pf.v = (const char *)v_cache + fetch_kv * dim * esize;
                 /* an item not prefetched (a thread's first) fetches its own tokens PREFETCH ahead */
                 const int64_t pf_len = fetched ? 0 : grouped && kvh == kv_lo ? kv_heads * dim : dim;
                 run_part(dim, bf16, group, kv_heads, kvh, q, q_rows[b] * q_stride, kc, vc, offs, n, part_len,
                          scale, qf, s, tmp, acc, mx, sm, red, pf_len, &pf, ph);
-                for (int64_t i = n; i < pf.n; i++) { /* a next item longer than this one: the rest at once */
+                if (records && kvh + 1 == kv_hi) /* what the passes left (a next item longer than this one) */
+                    while (at[0] < pf.n) pf_token(&pf, pf.k, 0, dim, esize);
+                for (int64_t i = n; i < pf.n && !records; i++) { /* a next item longer than this one: the rest */
                     pf_token(&pf, pf.k, i, dim, esize);
                     pf_token(&pf, pf.v, i, dim, esize);
                 }
