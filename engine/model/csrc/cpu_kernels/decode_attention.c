@@ -3,6 +3,14 @@
 #include <omp.h>
 #include <unistd.h>
 
+/* AVX2 + FMA without AVX-512 (Zen 1-3): the builds with their own prefetch distance, record fetches and 8-lane
+   passes (decode_avx2.h) */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define AVX2_ONLY 1
+#else
+#define AVX2_ONLY 0
+#endif
+
 /* The L2 size per core (sysconf; 512 KiB where it does not say; KVCHAT_L2_BYTES overrides it at build time) */
 static int64_t l2_bytes(void) {
 #ifdef KVCHAT_L2_BYTES
@@ -22,7 +30,7 @@ static int64_t l2_bytes(void) {
    medians of 3 interleaved rounds, three runs) 16 x 2k 107-110 vs 113-116 ms at 32, 1 x 2k 7.3-7.5 vs 7.7-7.8, 16 x
    1k 55 vs 57-58; 4, 12 and 16 sat between, 64 and none were slower (120, 127 ms). */
 #ifndef PREFETCH
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if AVX2_ONLY
 #define PREFETCH 8
 #else
 #define PREFETCH 32
@@ -57,25 +65,20 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
    summed in registers (in cache: 12.3 -> 10.5), 15.5-16.5 ms with 128-token items (PART). Tried: whole records
    (every kv head) in token order, spread over the passes: 17.3 vs 16.2 ms here; prefetching into L1 (T0): twice
    as slow.
-   AVX2 builds without AVX-512 fetch whole records instead (RECORD_FETCH): each call of pf_token takes the next
+   AVX2 builds without AVX-512 fetch whole records instead (AVX2_ONLY): each call of pf_token takes the next
    dim * esize bytes of the next item's records, token by token, K and V line by line, so a token's passes (two per
    kv head) fetch one token's records, in address order. Zen 2 EPYC, fp32, 30 layers, K/V from memory, interleaved
    rounds: 16 x 2k 81 vs 111 ms (the rows of one kv head a pass, pipelined or not: 111), 1 x 2k 6.0 vs 8.3, 16 x 1k
    41.5 vs 56; same bits (only prefetches move). There two fp32 items (384 KiB) do not fit in half of the 512 KiB L2,
    so the rows-a-pass fetch was off; record fetches pipeline whenever two items fit in all of it. */
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define RECORD_FETCH 1
-#else
-#define RECORD_FETCH 0
-#endif
 typedef struct {
-    const char *k, *v;   /* the next item's pools, offset to the kv head this pass fetches for (RECORD_FETCH: to
-                            its first kv head) */
+    const char *k, *v;   /* the next item's pools, offset to the kv head this pass fetches for (records: to its
+                            first kv head) */
     const int64_t *offs; /* its tokens' element offsets */
     int64_t n;           /* its tokens (0: nothing to fetch) */
-    int records;         /* (RECORD_FETCH) fetch its whole records in order: the next item holds every kv head */
-    int64_t rec_lines;   /* (RECORD_FETCH) cache lines of one token's record in one pool */
-    int64_t *at;         /* (RECORD_FETCH) where the record fetch stands: token, line */
+    int records;         /* (AVX2_ONLY) fetch its whole records in order: the next item holds every kv head */
+    int64_t rec_lines;   /* (AVX2_ONLY) cache lines of one token's record in one pool */
+    int64_t *at;         /* (AVX2_ONLY) where the record fetch stands: token, line */
 } pf_next;
 
 /* Token i's row (one kv head: dim elements of esize bytes) into L2. NOTE: dim and esize are arguments, not fields,
@@ -85,7 +88,7 @@ typedef struct {
    -> 19.2-21.9; same bits. */
 static inline __attribute__((always_inline)) void pf_token(const pf_next *p, const char *base, const int64_t i,
                                                            const int64_t dim, const int64_t esize) {
-#if RECORD_FETCH
+#if AVX2_ONLY
     if (p->records) { /* the next dim * esize bytes of records, K and V in turn (see pf_next) */
         int64_t tok = p->at[0], line = p->at[1];
         if (tok >= p->n) return;
@@ -346,9 +349,9 @@ void kvchat_paged_decode(
     /* the pipelined prefetch holds two items' K/V in L2: only where they take at most half of it (else each item
        fetches its own tokens PREFETCH ahead). SmolLM2, 128-token items: 96 KiB in bf16, 192 in fp32. Measured, 16 x
        1k context, 30 layers, fp32 (384 KiB for two items) on a Zen 3 EPYC (512 KiB L2): 50 ms pipelined, 44 not
-       (a kv head's rows a pass). Record fetches (RECORD_FETCH) pipeline where two items fit in all of L2. */
+       (a kv head's rows a pass). Record fetches (AVX2_ONLY) pipeline where two items fit in all of L2. */
     const int64_t two_items = 2 * part_len * 2 * (grouped ? kv_heads : 1) * dim * esize;
-    const int records = RECORD_FETCH && grouped && (kv_heads * dim * esize) % 64 == 0 && (dim * esize) % 128 == 0;
+    const int records = AVX2_ONLY && grouped && (dim * esize) % 128 == 0; /* (whole K/V line pairs a call) */
     const int pipelined = (records ? two_items : 2 * two_items) <= l2_bytes();
 
 #pragma omp parallel num_threads(nthreads)

@@ -1,7 +1,7 @@
 /* Decode attention, AVX2 builds without AVX-512: 8-lane scores and register-tiled values. Included by
-   decode_attention.c after its prefetch helpers (which these use); DECODE_AVX2 says whether the build has them. */
+   decode_attention.c after its prefetch helpers (which these use) where AVX2_ONLY; DECODE_AVX2 says whether the build has them. */
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if AVX2_ONLY
 #include <immintrin.h>
 #define DECODE_AVX2 1
 
