@@ -102,7 +102,8 @@ class EngineCore:
         ids = tokenized.token_ids
         self.encoder.check_fits(len(ids), params.max_tokens)
         spans = SpanMap(tokenized.spans or (TokenSpan(0, len(ids), UNTYPED),), fill=GENERATED)
-        seq = Seq(rid, ids, params, self.cache.root(namespace), spans=spans, session=session)
+        root = self.cache.root(namespace)
+        seq = Seq(rid, ids, params, root, spans=spans, session=session, system_tokens=tokenized.system_tokens)
         state = self.sampler.new_state(params, self.encoder.tokenizer.eos_token_ids, rid, prompt_token_ids=ids)
         return Request(seq, state, IncrementalDetokenizer(self.encoder.tokenizer, ids, params.stop), sink)
 

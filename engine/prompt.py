@@ -70,10 +70,13 @@ class SegmentedPrompt:
 
 @dataclass(frozen=True, slots=True)
 class TokenizedPrompt:
-    """Token ids plus the spans that label them (empty for a prompt given without segments)."""
+    """Token ids plus the spans that label them (empty for a prompt given without segments), and how many leading
+    ids are the chat's system message(s) (0 for a prompt given as a string or ids): what every conversation of a
+    deployment starts with, so a closed session's release keeps them cached."""
 
     token_ids: list[int]
     spans: tuple[TokenSpan, ...] = ()
+    system_tokens: int = 0
 
 
 def spans_from_owners(owners: Sequence[int], segments: Sequence[Segment]) -> tuple[TokenSpan, ...]:

@@ -8,6 +8,8 @@ never tokenized again (its ids are only checked). A caller that tokenizes once p
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -28,6 +30,10 @@ def needs_tokenizing(prompt: Prompt) -> bool:
     return not all(isinstance(t, int) for t in prompt)
 
 
+def _is_system(message: dict[str, str]) -> bool:
+    return message.get("role") == "system"
+
+
 class PromptEncoder:
     """Encodes prompts for one model and checks them against its limit (``limit`` tokens, prompt and reply)."""
 
@@ -36,6 +42,8 @@ class PromptEncoder:
         self._vocab_size = vocab_size
         self._max_model_len = max_model_len
         self._pool_tokens = pool_tokens
+        # NOTE: a deployment has a few system prompts and sends one with every turn: render each once, not per request
+        self._render_system = functools.lru_cache(maxsize=64)(self._render_system_uncached)
 
     @property
     def limit(self) -> int:
@@ -58,13 +66,15 @@ class PromptEncoder:
     def encode(self, prompt: Prompt) -> TokenizedPrompt:
         """The prompt's token ids, and the spans of a ``SegmentedPrompt``'s segments and template (none otherwise)."""
         if isinstance(prompt, TokenizedPrompt):
-            return TokenizedPrompt(self._checked_ids(prompt.token_ids), prompt.spans)
+            ids = self._checked_ids(prompt.token_ids)
+            return TokenizedPrompt(ids, prompt.spans, min(prompt.system_tokens, len(ids)))
         if isinstance(prompt, SegmentedPrompt):
             if not prompt.messages:
                 raise EmptyPromptError()
             parts = [(m.role, [s.text for s in m.segments]) for m in prompt.messages]
             ids, owners = self.tokenizer.apply_chat_template_segments(parts, prompt.add_generation_prompt)
-            return TokenizedPrompt(ids, spans_from_owners(owners, prompt.segments))
+            system = self._system_tokens(ids, prompt.as_messages())
+            return TokenizedPrompt(ids, spans_from_owners(owners, prompt.segments), system)
         if isinstance(prompt, str):
             return TokenizedPrompt(self.tokenizer.encode(prompt))
         items: list[object] = list(prompt)
@@ -75,8 +85,23 @@ class PromptEncoder:
             return TokenizedPrompt(self._checked_ids(ids))
         messages = [m for m in items if isinstance(m, dict)]
         if len(messages) == len(items):
-            return TokenizedPrompt(self.tokenizer.apply_chat_template(messages))
+            ids = self.tokenizer.apply_chat_template(messages)
+            return TokenizedPrompt(ids, system_tokens=self._system_tokens(ids, messages))
         raise InvalidRequestError("prompt must be chat messages, a string, or a list of token ids")
+
+    def _system_tokens(self, ids: Sequence[int], messages: ChatMessages) -> int:
+        """How many of ``ids`` (``messages`` rendered) are the leading system message(s): the length of the prefix
+        they share with those messages rendered alone (any template: no assumption on where a message ends)."""
+        lead = tuple((m.get("role"), m.get("content")) for m in itertools.takewhile(_is_system, messages))
+        if not lead:
+            return 0
+        alone = self._render_system(lead)
+        n = min(len(ids), len(alone))
+        return next((i for i in range(n) if ids[i] != alone[i]), n)
+
+    def _render_system_uncached(self, lead: tuple[tuple[str, str], ...]) -> tuple[int, ...]:
+        messages = [{"role": role, "content": content} for role, content in lead]
+        return tuple(self.tokenizer.apply_chat_template(messages, add_generation_prompt=False))
 
     def _checked_ids(self, ids: Sequence[object]) -> list[int]:
         if not ids:

@@ -49,6 +49,7 @@ class Sequence:
     # With params.prompt_logprobs: log p(prompt token p | tokens before it) at index p (None at 0 and until computed).
     prompt_logprobs: list[float | None] | None = None
     session: str | None = None  # the chat session it belongs to (owner of the blocks it publishes)
+    system_tokens: int = 0  # its prompt's leading system message(s) (engine.prompt.TokenizedPrompt)
     # Tiers: while True, blocks of its prefix are being loaded from disk and the scheduler does not admit it yet;
     # ``promoted`` holds the hashes loaded for it, so the hit can be reported by tier.
     loading: bool = False

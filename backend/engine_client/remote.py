@@ -278,7 +278,12 @@ class RemoteEngine:
             "seed": params.seed,
             "stop": list(params.stop) or None,
             "cache_salt": namespace,
-            "kvchat": {"spans": spans_to_json(prompt.spans), "session": session, "sampling": sampling_to_json(params)},
+            "kvchat": {
+                "spans": spans_to_json(prompt.spans),
+                "system_tokens": prompt.system_tokens,
+                "session": session,
+                "sampling": sampling_to_json(params),
+            },
         }
 
     async def _attempt(

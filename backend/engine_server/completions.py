@@ -66,8 +66,9 @@ async def completions(
     body: CompletionRequest, engine: EngineDep, request: Request, namespace: NamespaceHeader = None
 ) -> JSONResponse | StreamingResponse:
     prompt: Prompt = body.prompt
-    if isinstance(body.prompt, list) and body.kvchat and body.kvchat.spans:
-        prompt = TokenizedPrompt(list(body.prompt), spans_from_json(body.kvchat.spans))
+    if isinstance(body.prompt, list) and body.kvchat and (body.kvchat.spans or body.kvchat.system_tokens):
+        extra = body.kvchat
+        prompt = TokenizedPrompt(list(body.prompt), spans_from_json(extra.spans), extra.system_tokens)
     return await _answer(engine, request, body, prompt, namespace, chat=False)
 
 

@@ -9,12 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class KvchatExtra(BaseModel):
-    """What kvchat's backend sends beyond OpenAI: the segment spans of a token-id prompt, the session (its blocks are
-    recorded for invalidation and erasure), and the exact sampling parameters (``wire.sampling_to_json``)."""
+    """What kvchat's backend sends beyond OpenAI: the segment spans of a token-id prompt and how many of its tokens are
+    the system message(s), the session (its blocks are recorded for invalidation and erasure), and the exact sampling
+    parameters (``wire.sampling_to_json``)."""
 
     model_config = ConfigDict(extra="forbid")
 
     spans: list[list[Any]] = Field(default_factory=list)
+    system_tokens: int = Field(default=0, ge=0)
     session: str | None = None
     sampling: dict[str, Any] | None = None
 

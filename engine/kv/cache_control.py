@@ -49,6 +49,7 @@ class InFlight(Protocol):
     session: str | None
     root: BlockHash
     publish_limit: int | None  # its blocks from this index on are never published
+    system_tokens: int  # its prompt's leading system message(s): what every conversation starts with
 
     @property
     def all_token_ids(self) -> list[int]: ...
@@ -226,8 +227,10 @@ class CacheControl:
     def release_session(self, session: str) -> int:
         """Free the cached blocks that only ``session`` used (never shared or in-use ones). Returns blocks freed.
 
-        With a disk tier they are demoted, not dropped (copied now, written by the writer thread): a customer who
-        comes back finds the session on disk."""
+        Its prompt's system message(s) stay cached (``SessionIndex``): the next conversation starts with them, and
+        dropping them when the last open session closes made it compute them again. With a disk tier the rest are
+        demoted, not dropped (copied now, written by the writer thread): a customer who comes back finds the session
+        on disk."""
         with self._lock:
             self._forget(session)
             hashes = self._sessions.release(session)
@@ -302,7 +305,7 @@ class CacheControl:
         if seq.session is None or seq.session in self._released:
             return
         chain = self._kv.session_chain(seq.request_id, seq.root, seq.all_token_ids, seq.publish_limit)
-        self._sessions.record(seq.session, chain)
+        self._sessions.record(seq.session, chain, head=seq.system_tokens // self._block_size)
         self._session_roots[seq.session] = seq.root
 
     def prefetch(self, seq: Prefetchable) -> None:

@@ -1,8 +1,11 @@
 """Which chat sessions still want which cached blocks: ``session key -> chain of block hashes`` plus per-hash counts.
 
 The engine records a session's chain (prompt + generated full blocks of its most recent request) when the request
-finishes. When the session closes (inactivity timeout, admin close) ``release`` returns the hashes no other session
-references any more, and ``KVCacheManager.evict_cached`` drops those that no running request holds either. When part
+finishes, with its head: how many leading blocks hold the prompt's system message(s). When the session closes
+(inactivity timeout, admin close) ``release`` returns the hashes no other session references any more, and
+``KVCacheManager.evict_cached`` drops those that no running request holds either. The head is never returned: every
+conversation of the deployment starts with it, so the next one would compute it again (it stays cached, evicted by LRU
+like any idle block when memory runs short). When part
 of its context changes, ``truncate`` cuts the chain where the change starts, and ``wanted_by_others`` names the hashes
 an invalidation must keep (``KVCacheManager.invalidate``).
 
@@ -19,6 +22,7 @@ from engine.kv.block_hash import BlockHash
 class SessionIndex:
     def __init__(self) -> None:
         self._chains: dict[str, tuple[BlockHash, ...]] = {}
+        self._heads: dict[str, int] = {}  # leading blocks of a chain that release keeps (the system message's)
         # NOTE: counts sessions, not occurrences: a hash listed twice in one chain counts once, so one release can
         # never take a count below what the other sessions contribute. A hash whose count would be 0 is not stored.
         self._sessions_per_hash: dict[BlockHash, int] = {}
@@ -49,12 +53,14 @@ class SessionIndex:
     def truncate(self, session_key: str, num_blocks: int) -> None:
         """Keep only the first ``num_blocks`` hashes of the session's chain (an invalidation took the rest)."""
         if session_key in self._chains:
-            self.record(session_key, self._chains[session_key][:num_blocks])
+            self.record(session_key, self._chains[session_key][:num_blocks], self._heads.get(session_key, 0))
 
-    def record(self, session_key: str, chain: Sequence[BlockHash]) -> None:
-        """Set the session's chain, replacing its previous one (counts of hashes it no longer lists drop by one)."""
+    def record(self, session_key: str, chain: Sequence[BlockHash], head: int = 0) -> None:
+        """Set the session's chain, replacing its previous one (counts of hashes it no longer lists drop by one);
+        its first ``head`` blocks hold the prompt's system message(s)."""
         new = tuple(dict.fromkeys(chain))
         old = self._chains.get(session_key, ())
+        self._heads[session_key] = min(head, len(new))
         # NOTE: add before removing so a hash in both chains never passes through 0 (and is never dropped from the map).
         for block_hash in new:
             self._sessions_per_hash[block_hash] = self._sessions_per_hash.get(block_hash, 0) + 1
@@ -62,15 +68,17 @@ class SessionIndex:
         self._unref(old)
 
     def release(self, session_key: str) -> list[BlockHash]:
-        """Forget the session. Returns the hashes of its chain that no other session references, tail first.
+        """Forget the session. Returns the hashes of its chain past its head that no other session references, tail
+        first.
 
         Unknown sessions return ``[]``. Tail first matches ``KVCacheManager.free``: a chain's tail is dropped before
-        its head, which is the part most likely to be shared again (system prompt, earlier turns).
+        its earlier turns.
         """
         chain = self._chains.pop(session_key, None)
         if chain is None:
             return []
-        return self._unref(chain)[::-1]
+        head = set(chain[: self._heads.pop(session_key, 0)])
+        return [h for h in self._unref(chain) if h not in head][::-1]
 
     def _unref(self, chain: tuple[BlockHash, ...]) -> list[BlockHash]:
         """Drop one count per hash; returns the hashes that reached 0, in chain order."""

@@ -346,6 +346,28 @@ async def test_release_session_frees_its_unique_blocks_and_keeps_the_shared_pref
 
 
 @pytest.mark.anyio
+async def test_releasing_the_last_session_keeps_its_system_message_cached(tiny_engine: LLMEngine) -> None:
+    # NOTE: before, the last open session's release dropped the system prompt with the rest, so the next
+    # conversation computed it again (the replay's 16-session level began with a cold 1,090-token prefill).
+    ns, bs = "released-system", tiny_engine.info.block_size
+    system = {"role": "system", "content": "Refunds are paid within 14 days of the return. " * 3}
+    first = [system, {"role": "user", "content": "Where is my order?"}]
+    second = [system, {"role": "user", "content": "Can I change the address?"}]
+    system_tokens = tiny_engine.tokenize_prompt(first).system_tokens
+    assert system_tokens >= 2 * bs
+    params = SamplingParams(max_tokens=8)
+
+    await collect(tiny_engine.generate(first, params, ns, session="alone"))
+    cached_before = tiny_engine.stats().kv.num_cached_blocks
+    freed = tiny_engine.release_session("alone")
+    assert freed > 0  # its own turn left
+    assert tiny_engine.stats().kv.num_cached_blocks == cached_before - freed
+
+    _, nxt = await collect(tiny_engine.generate(second, params, ns, session="next"))
+    assert nxt.stats.cached_tokens == system_tokens // bs * bs
+
+
+@pytest.mark.anyio
 async def test_the_step_thread_loads_the_model(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # NOTE: so that only one thread holds an OpenMP pool while the engine serves (engine/openmp.py)
     loaded_on: list[str] = []

@@ -42,6 +42,7 @@ class _Replica:
         self.info = info
         self.modes = ["ok"]
         self.completions = 0
+        self.last_body: dict[str, Any] = {}
         self.port = free_port()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -87,7 +88,7 @@ class _Replica:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = (await reader.readuntil(b"\r\n\r\n")).decode()
         length = next((int(h.split(":")[1]) for h in head.split("\r\n") if h.lower().startswith("content-length")), 0)
-        await reader.readexactly(length)
+        body = await reader.readexactly(length)
         if head.startswith("GET /kvchat/info"):
             await self._answer(writer, 200, "application/json", json.dumps(self.info).encode())
             return
@@ -96,6 +97,7 @@ class _Replica:
             return
         mode = self.modes[min(self.completions, len(self.modes) - 1)]
         self.completions += 1
+        self.last_body = json.loads(body)
         if mode == "silent":
             await asyncio.sleep(3600)
         elif mode == "garbage":
@@ -149,6 +151,16 @@ async def test_a_good_replica_streams_its_tokens(remote: RemoteEngine) -> None:
     events = await _run(remote)
     assert isinstance(events[0], TokenDelta) and events[0].token_ids == (42,)
     assert isinstance(events[-1], RequestFinished) and events[-1].token_ids == (42,)
+
+
+async def test_the_body_carries_what_the_engine_needs_of_the_prompt(remote: RemoteEngine, replica: _Replica) -> None:
+    messages = [{"role": "system", "content": "Refunds are paid within 14 days."}, {"role": "user", "content": "Hi"}]
+    tokenized = remote.tokenize_prompt(messages)
+    async with asyncio.timeout(20):
+        async for _ in remote.generate(messages, SamplingParams(max_tokens=1), "ns", session="s"):
+            pass
+    assert replica.last_body["prompt"] == tokenized.token_ids
+    assert replica.last_body["kvchat"]["system_tokens"] == tokenized.system_tokens > 0  # (a release keeps them)
 
 
 async def test_failures_before_the_first_token_are_retried(remote: RemoteEngine, replica: _Replica) -> None:

@@ -118,6 +118,14 @@ async def test_session_footprint_erase_and_release(http: httpx.AsyncClient) -> N
     assert released.json() == {"blocks_freed": 0}
 
 
+async def test_a_release_keeps_the_system_tokens_the_backend_counted(http: httpx.AsyncClient) -> None:
+    await _complete(http, "ns-system", kvchat={"session": "alone", "system_tokens": 35})
+    released = await http.post("/kvchat/sessions/release", json={"session": "alone"}, headers=AUTH)
+    assert released.json() == {"blocks_freed": 1}  # 3 full blocks: the 2 the 35 system tokens fill stay
+    again = await _complete(http, "ns-system")
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
 async def test_invalidate_flush_pin_temperature_settings_stats_metrics(http: httpx.AsyncClient) -> None:
     await _complete(http, "ns-ctl", kvchat={"session": "ctl"})
     cut = await http.post("/kvchat/invalidate", json={"namespace": "ns-ctl", "session": "ctl", "from_position": 16},
@@ -147,6 +155,7 @@ async def test_invalidate_flush_pin_temperature_settings_stats_metrics(http: htt
         ({"prompt": [1], "temperature": -1}, 400, "invalid_sampling_params"),
         ({"prompt": [1], "kvchat": {"spans": [["x"]]}}, 400, "invalid_request"),
         ({"prompt": [1], "kvchat": {"bogus": 1}}, 400, "invalid_request"),
+        ({"prompt": [1], "kvchat": {"system_tokens": -1}}, 400, "invalid_request"),
     ],
 )
 async def test_errors_are_one_line_json(http: httpx.AsyncClient, body: dict[str, Any], status: int, code: str) -> None:

@@ -52,6 +52,25 @@ def test_release_returns_only_the_unshared_tail_tail_first() -> None:
     assert [index.sessions_of(h) for h in (*ALICE, *BOB)] == [0] * 7
 
 
+def test_release_keeps_the_head_the_system_message_fills() -> None:
+    index = SessionIndex()
+    index.record("alice", ALICE, head=2)
+    assert index.release("alice") == [ALICE[3], ALICE[2]]
+    assert [index.sessions_of(h) for h in ALICE] == [0] * 4  # forgotten all the same
+    index.record("bob", BOB, head=2)
+    index.record("bob", BOB)  # the latest request had no system message
+    assert index.release("bob") == [BOB[2], BOB[1], BOB[0]]
+
+
+def test_a_truncated_chain_keeps_no_more_head_than_it_has_left() -> None:
+    index = SessionIndex()
+    index.record("alice", ALICE, head=3)
+    index.truncate("alice", 1)
+    assert index.release("alice") == []
+    index.record("alice", ALICE, head=9)  # a head longer than the chain is the whole chain
+    assert index.release("alice") == []
+
+
 def test_record_replaces_the_chain_and_decrements_old_counts() -> None:
     index = SessionIndex()
     index.record("alice", ALICE)
