@@ -96,6 +96,8 @@ class PromptEncoder:
         if not lead:
             return 0
         alone = self._render_system(lead)
+        if tuple(ids[: len(alone)]) == alone:  # (the usual case, compared in C)
+            return len(alone)
         n = min(len(ids), len(alone))
         return next((i for i in range(n) if ids[i] != alone[i]), n)
 
