@@ -64,7 +64,8 @@ class PromptEncoder:
         return sum(len(t) for t in texts) // self.tokenizer.max_token_chars
 
     def encode(self, prompt: Prompt) -> TokenizedPrompt:
-        """The prompt's token ids, and the spans of a ``SegmentedPrompt``'s segments and template (none otherwise)."""
+        """The prompt's token ids, the spans of a ``SegmentedPrompt``'s segments and template (none otherwise), and
+        how many ids a chat prompt's leading system message(s) fill."""
         if isinstance(prompt, TokenizedPrompt):
             ids = self._checked_ids(prompt.token_ids)
             return TokenizedPrompt(ids, prompt.spans, min(prompt.system_tokens, len(ids)))

@@ -5,9 +5,8 @@ finishes, with its head: how many leading blocks hold the prompt's system messag
 (inactivity timeout, admin close) ``release`` returns the hashes no other session references any more, and
 ``KVCacheManager.evict_cached`` drops those that no running request holds either. The head is never returned: every
 conversation of the deployment starts with it, so the next one would compute it again (it stays cached, evicted by LRU
-like any idle block when memory runs short). When part
-of its context changes, ``truncate`` cuts the chain where the change starts, and ``wanted_by_others`` names the hashes
-an invalidation must keep (``KVCacheManager.invalidate``).
+like any idle block when memory runs short). When part of its context changes, ``truncate`` cuts the chain where the
+change starts, and ``wanted_by_others`` names the hashes an invalidation must keep (``KVCacheManager.invalidate``).
 
 Pure bookkeeping over hashes: it never looks at the pool, so a hash it returns may already have been evicted by LRU.
 """
