@@ -166,6 +166,39 @@ async def test_closing_a_session_records_the_release(live: LiveServer, tiny_engi
     assert live.state.chat.context.last_prompt(session_id) is None
 
 
+async def test_closing_the_last_session_keeps_the_system_prompt_for_the_next_one(
+    live: LiveServer, tiny_engine: LLMEngine
+) -> None:
+    # NOTE: a system prompt of this test alone, so no other session holds its blocks (the engine is shared): before,
+    # the release dropped them with the session's own, and the next conversation computed them again.
+    system = f"You answer for the shop {uuid.uuid4().hex}. Refunds are paid within 14 days of the return. " * 3
+    headers = {"X-API-Key": ADMIN_KEY}
+    async with httpx.AsyncClient(base_url=live.http) as client:
+        edited = await client.put("/admin/tenant/system-prompt", json={"system_prompt": system}, headers=headers)
+        assert edited.status_code == 200, edited.text
+        async with _connect(live) as ws:
+            chat = Chat(ws)
+            session_id = (await chat.hello())["session_id"]
+            await chat.turn("a", PARCEL)
+        last = live.state.chat.context.last_prompt(session_id)
+        assert last is not None
+        block = tiny_engine.info.block_size
+        system_blocks = last.context_from // block
+        assert system_blocks >= 2
+        footprint = tiny_engine.session_footprint(session_id).blocks
+        before = _freed(tiny_engine.stats().cache, "session_released")
+        closed = await client.post(f"/admin/sessions/{session_id}/status", json={"status": "closed"}, headers=headers)
+        assert closed.status_code == 200, closed.text
+    freed = _freed(tiny_engine.stats().cache, "session_released") - before
+    assert 1 <= freed <= footprint - system_blocks
+
+    async with _connect(live) as ws:
+        chat = Chat(ws)
+        await chat.hello()
+        _, done = await chat.turn("b", KETTLE)
+    assert done["usage"]["cached_tokens"] >= system_blocks * block
+
+
 async def test_editing_the_pinned_context_frees_exactly_the_dependent_blocks(
     live: LiveServer, tiny_engine: LLMEngine
 ) -> None:
