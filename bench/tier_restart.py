@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from backend.services.context_service import common_prefix
 from bench.workload import DEFAULT_DATA_DIR, DEFAULT_POLICY_CHARS, Session, WorkloadConfig, build_sessions
+from engine.prompt import common_prefix
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "tier_restart.json"

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from engine.errors import InvalidRequestError
 from engine.kv.block_meta import TEMPLATE, TokenSpan
 
-__all__ = ["TEMPLATE", "Segment", "SegmentedMessage", "SegmentedPrompt", "TokenizedPrompt", "spans_from_owners"]
+__all__ = [
+    "TEMPLATE",
+    "Segment",
+    "SegmentedMessage",
+    "SegmentedPrompt",
+    "TokenizedPrompt",
+    "common_prefix",
+    "spans_from_owners",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +85,14 @@ class TokenizedPrompt:
     token_ids: list[int]
     spans: tuple[TokenSpan, ...] = ()
     system_tokens: int = 0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if tuple(a[:n]) == tuple(b[:n]):  # (the usual case for prompts that extend each other: compared in C)
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 def spans_from_owners(owners: Sequence[int], segments: Sequence[Segment]) -> tuple[TokenSpan, ...]:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from engine.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
-from engine.prompt import SegmentedPrompt, TokenizedPrompt, spans_from_owners
+from engine.prompt import SegmentedPrompt, TokenizedPrompt, common_prefix, spans_from_owners
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
@@ -93,14 +93,8 @@ class PromptEncoder:
     def _system_tokens(self, ids: Sequence[int], messages: ChatMessages) -> int:
         """How many of ``ids`` (``messages`` rendered) are the leading system message(s): the length of the prefix
         they share with those messages rendered alone (any template: no assumption on where a message ends)."""
-        lead = tuple((m.get("role"), m.get("content")) for m in itertools.takewhile(_is_system, messages))
-        if not lead:
-            return 0
-        alone = self._render_system(lead)
-        if tuple(ids[: len(alone)]) == alone:  # (the usual case, compared in C)
-            return len(alone)
-        n = min(len(ids), len(alone))
-        return next((i for i in range(n) if ids[i] != alone[i]), n)
+        lead = tuple((m["role"], m["content"]) for m in itertools.takewhile(_is_system, messages))
+        return common_prefix(ids, self._render_system(lead)) if lead else 0
 
     def _render_system_uncached(self, lead: tuple[tuple[str, str], ...]) -> tuple[int, ...]:
         messages = [{"role": role, "content": content} for role, content in lead]

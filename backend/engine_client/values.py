@@ -25,7 +25,7 @@ from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult
 from engine.kv.tier_config import CacheSettings
 from engine.kv.tiers import TierStats
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, RequestStats, TokenDelta, TokenLogprob
-from engine.prompt import Segment, SegmentedMessage, SegmentedPrompt, TokenizedPrompt
+from engine.prompt import Segment, SegmentedMessage, SegmentedPrompt, TokenizedPrompt, common_prefix
 from engine.prompt_encoder import Prompt
 from engine.sampling_params import MAX_LOGPROBS, GrammarKind, SamplingParams, StructuredOutput
 
@@ -61,4 +61,5 @@ __all__ = [
     "TokenDelta",
     "TokenLogprob",
     "TokenizedPrompt",
+    "common_prefix",
 ]

@@ -48,7 +48,7 @@ from backend.core.offload import run_cpu
 from backend.db.models import ChatSession, Message, Tenant, TenantContextSettings
 from backend.domain import InvalidationReason, MessageRole, MessageStatus
 from backend.engine_client.protocol import EngineClient
-from backend.engine_client.values import InvalidationResult, SegmentedPrompt, TokenizedPrompt
+from backend.engine_client.values import InvalidationResult, SegmentedPrompt, TokenizedPrompt, common_prefix
 from backend.services import context_store
 from backend.services import sessions as store
 from backend.services.context_store import ContextSettings, RuleSetCache
@@ -140,16 +140,6 @@ def _conversation_order(m: Message) -> float:
     # NOTE: a reply's seq can be later than a following user message (the customer typed while the bot answered);
     # in the prompt the reply belongs right after the message it answers.
     return m.reply_to_seq + 0.5 if m.reply_to_seq is not None else float(m.seq)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading token ids ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class ContextService:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from bench.runners.base import OnTokens, Runner, RunnerInfo, TurnOutcome, TurnRequest
 from engine.openmp import release_thread_pool
+from engine.prompt import common_prefix
 
 _T = TypeVar("_T")
 
@@ -27,14 +28,6 @@ _T = TypeVar("_T")
 class _SessionCache:
     cache: Any  # transformers.DynamicCache
     token_ids: list[int]  # the tokens whose K/V the cache holds
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class HFRunner(Runner):

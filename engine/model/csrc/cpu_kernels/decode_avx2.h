@@ -1,5 +1,5 @@
-/* Decode attention, AVX2 builds without AVX-512: 8-lane scores and register-tiled values. Included by
-   decode_attention.c after its prefetch helpers (which these use) where AVX2_ONLY; DECODE_AVX2 says whether the build has them. */
+/* Decode attention, AVX2 builds without AVX-512 (AVX2_ONLY): 8-lane scores and register-tiled values. Included by
+   decode_attention.c after its prefetch helpers (which these use); DECODE_AVX2 says whether the build has them. */
 
 #if AVX2_ONLY
 #include <immintrin.h>
