@@ -54,3 +54,4 @@ class InvalidationReason(StrEnum):
     ADMIN_FLUSH = "admin_flush"  # an admin flushed a session's cache, or the whole tenant's
     TENANT_PROMPT_EDITED = "tenant_prompt_edited"  # the system prompt or policy text (every prompt's part 1) changed
     SESSION_ERASED = "session_erased"  # an admin deleted the session: its blocks left every tier
+    HANDBOOK_EDITED = "handbook_edited"  # a handbook section changed or went: the blocks that held its old text

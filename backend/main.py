@@ -21,6 +21,7 @@ from backend.api import boundary, docs
 from backend.api.routes import (
     admin_audit,
     admin_cache,
+    admin_handbook,
     admin_reply,
     admin_rules,
     admin_sessions,
@@ -57,7 +58,7 @@ from backend.services import cache_admin
 from backend.services.context_service import ContextService
 from backend.services.reply_settings import defaults_of
 from backend.services.revocation import RevocationFeed
-from backend.services.tenants import BootstrapResult, bootstrap_default_tenant
+from backend.services.tenants import BootstrapResult, bootstrap_default_tenant, default_handbook
 from engine.llm_engine import LLMEngine
 from engine.model.loader import locate_model, resolve_model
 
@@ -105,6 +106,7 @@ def create_app(
     app.include_router(metrics_route.router)
     app.include_router(admin_stats.router)
     app.include_router(admin_tenant.router)
+    app.include_router(admin_handbook.router)
     app.include_router(admin_reply.router)
     app.include_router(admin_tools.router)
     app.include_router(admin_rules.router)
@@ -169,7 +171,12 @@ async def _start_phases(
     sessionmaker = create_sessionmaker(db_engine)
     metrics = Metrics()
     namespaces = Namespaces(load_secret(settings.secret_key, settings.data_dir))
-    boot = await bootstrap_default_tenant(sessionmaker, settings.bootstrap_chat_token, settings.bootstrap_admin_key)
+    boot = await bootstrap_default_tenant(
+        sessionmaker,
+        settings.bootstrap_chat_token,
+        settings.bootstrap_admin_key,
+        default_handbook(settings.default_handbook),
+    )
     _announce_keys(boot)
     llm, model, capacity = await _open_engine(settings, engine, startup, owned)
     reply = ReplyConfig(settings.reply_max_tokens, defaults_of(settings), settings.tools_allow_private_networks)

@@ -332,6 +332,13 @@ class LLMEngine:
             namespace, session=session, from_position=from_position, block_hashes=block_hashes, reason=reason
         )
 
+    def invalidate_prefix(
+        self, namespace: str, token_ids: Sequence[int], from_position: int, reason: str = "invalidated"
+    ) -> InvalidationResult:
+        """Free the cached chain of ``token_ids`` from ``from_position`` on, and its dependents, in every tier and
+        every session (shared text that changed: a handbook section)."""
+        return self.core.cache.invalidate_prefix(namespace, token_ids, from_position, reason)
+
     def flush_namespace(self, namespace: str, reason: str = "flushed") -> InvalidationResult:
         """Free every cached block of ``namespace``, in every tier (no other namespace's)."""
         return self.core.cache.flush_namespace(namespace, reason)

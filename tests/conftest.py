@@ -29,6 +29,11 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.testing import build_tiny_model
 
+# NOTE: the default tenant of a fresh install gets the builtin handbook (backend/context/default_handbook.md); the
+# tests that count a default-tenant prompt's tokens were written without one, so tests start it with none, and the
+# handbook tests ask for it (``default_handbook="builtin"``). Set here so server subprocesses inherit it too.
+os.environ.setdefault("KVCHAT_DEFAULT_HANDBOOK", "none")
+
 
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:

@@ -100,10 +100,12 @@ class InFlight(_Frame):
 
 
 class Topic(_Frame):
-    """The session's topic: its epoch and semantic temperature (None until the first customer message)."""
+    """The session's topic: its epoch and semantic temperature (None until the first customer message), and the
+    titles of the tenant's handbook sections its prompt holds (in ``message.completed``; at most two)."""
 
     epoch: int
     temperature: float | None = None
+    section: list[str] = Field(default_factory=list)
 
 
 class Welcome(_Frame):

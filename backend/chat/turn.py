@@ -141,7 +141,7 @@ class TurnRunner:
         # NOTE: runs in a worker thread: a long history is tokenized several times while the budget is searched.
         prepared = await run_cpu(turn.tenant_id, self._context.prepare, turn.context, turn.user_seq, budget, tools)
         turn.namespace = prepared.namespace
-        turn.topic = Topic(epoch=prepared.epoch, temperature=prepared.temperature)
+        turn.topic = Topic(epoch=prepared.epoch, temperature=prepared.temperature, section=list(prepared.sections))
         await self._invalidate_dropped(turn, prepared)
         return prepared
 

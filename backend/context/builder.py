@@ -4,6 +4,7 @@ The prompt is assembled in a fixed order:
 
 1. the tenant's system prompt and policy text (``prefix_segments``), alone at the start and byte for byte the same in
    every session and every turn, so their KV blocks are shared by all of the tenant's sessions (and can be pinned);
+   then the topic's handbook section(s) (``section_segments``), shared by every session on that topic;
 2. the session's pinned context (customer facts), then the blocks of left-out messages that the kept history still
    depends on (``CarryMode``; by default ``referenced``: the steps and sections a kept block refers to through its
    ``parent`` link, and the identifier blocks whose order or account numbers the kept messages name again);
@@ -39,7 +40,9 @@ CountTokens = Callable[[SegmentedPrompt], int]
 SYSTEM_PROMPT = "system_prompt"
 POLICY_TEXT = "policy_text"
 PINNED_CONTEXT = "pinned_context"
+HANDBOOK_SECTION = "handbook_section"
 PREFIX_TYPES = frozenset({SYSTEM_PROMPT, POLICY_TEXT})  # part 1: the tenant-wide prefix
+SHARED_TYPES = PREFIX_TYPES | {HANDBOOK_SECTION}  # what sessions of a tenant on the same topic share
 
 CARRIED_TYPES = frozenset({BlockType.IDENTIFIER, BlockType.CLAUSE_REFERENCE})
 REFERENCE_TARGETS = frozenset({BlockType.STEP, BlockType.SECTION})
@@ -97,6 +100,7 @@ class ContextRequest:
     budget_tokens: int
     pinned_context: str = ""
     policy_text: str = ""
+    sections: tuple[str, ...] = ()  # the topic's handbook sections, rendered (``Section.rendered``)
     policy_budget_tokens: int | None = None  # the ``budget`` policy's own limit (None: only ``budget_tokens``)
     block_ids: Mapping[BlockKey, int] = field(default_factory=dict)
     carry: CarryMode = CarryMode.REFERENCED
@@ -225,8 +229,17 @@ def prefix_prompt(system_prompt: str, policy_text: str) -> SegmentedPrompt | Non
     return SegmentedPrompt.of((MessageRole.SYSTEM.value, segments), add_generation_prompt=False)
 
 
+def section_segments(lead: bool, sections: Sequence[str]) -> list[Segment]:
+    """The topic's handbook sections, after part 1 (``lead``: something comes before them)."""
+    out: list[Segment] = []
+    for text in sections:
+        out.append(Segment((_SEPARATOR if lead or out else "") + text, HANDBOOK_SECTION))
+    return out
+
+
 def _system_segments(request: ContextRequest, carried: Sequence[Block]) -> list[Segment]:
     segments = prefix_segments(request.system_prompt, request.policy_text)
+    segments += section_segments(bool(segments), request.sections)
     if request.pinned_context:
         lead = _SEPARATOR if segments else ""
         segments.append(Segment(lead + request.pinned_context, PINNED_CONTEXT))

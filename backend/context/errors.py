@@ -5,7 +5,9 @@ ContextError                 code
 │   └── RuleLimitError       rule_limit        the tenant's rules would pass a cap (their number, their size)
 ├── UnknownBackendError      unknown_backend   a topic scorer (or similarity backend) name that is not registered
 ├── BackendUnavailableError  backend_unavailable  the backend's package (the embedding model) is not installed
-└── InvalidSettingsError     invalid_settings  topic thresholds out of range, or a shift model that does not fit
+├── InvalidSettingsError     invalid_settings  topic thresholds out of range, or a shift model that does not fit
+└── HandbookError            invalid_handbook  a handbook that does not parse (Markdown, ABCD-style JSON)
+    └── HandbookLimitError   handbook_limit    a handbook past a cap (sections, a section's size, the total)
 """
 
 from __future__ import annotations
@@ -42,3 +44,13 @@ class BackendUnavailableError(ContextError):
 
 class InvalidSettingsError(ContextError):
     code = "invalid_settings"
+
+
+class HandbookError(ContextError):
+    """A handbook was refused; the message says where (the section, the line or the JSON key) and why."""
+
+    code = "invalid_handbook"
+
+
+class HandbookLimitError(HandbookError):
+    code = "handbook_limit"

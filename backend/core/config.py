@@ -93,6 +93,12 @@ class Settings(BaseSettings):
     # A tenant's own splitter rules: how many, and their RE2 programs' size summed (instructions; bounds their cost).
     max_rules_per_tenant: int = Field(default=200, ge=0)
     max_rules_program_size: int = Field(default=50_000, ge=0)
+    # A tenant's handbook (backend/context/handbook.py): its sections, one section's text, and all of it.
+    max_handbook_sections: int = Field(default=200, ge=1)
+    max_handbook_section_chars: int = Field(default=8_000, ge=100)
+    max_handbook_chars: int = Field(default=400_000, ge=100)
+    # The default tenant's first handbook, when a fresh install creates it: builtin, a Markdown file's path, or none.
+    default_handbook: str = "builtin"
     # A socket whose unsent frames pass either bound is closed (1008): a client that stops reading.
     ws_max_queued_frames: int = Field(default=1024, ge=16)
     ws_max_queued_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024)

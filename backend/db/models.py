@@ -57,7 +57,24 @@ class Tenant(Base):
     cache_scope: Mapped[str] = mapped_column(String(16), default="private", server_default="private")
     # Keep the system + policy prefix pinned in the engine's memory tier (backend/services/cache_admin.py).
     pin_prefix: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # Bumped by every handbook edit (backend/services/handbook.py): the version the section cache and audit name.
+    handbook_version: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class HandbookSection(Base):
+    """One section of a tenant's handbook (``backend/context/handbook.py``), in the handbook's order."""
+
+    __tablename__ = "handbook_sections"
+    __table_args__ = (UniqueConstraint("tenant_id", "title", name="uq_handbook_sections_tenant_title"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    position: Mapped[int] = mapped_column(Integer)
+    title: Mapped[str] = mapped_column(String(200))
+    text: Mapped[str] = mapped_column(Text)
+    content_hash: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int] = mapped_column(Integer)  # the handbook version that last changed it
 
 
 class ApiKey(Base):
@@ -186,6 +203,8 @@ class TopicHistory(Base):
     temperature: Mapped[float] = mapped_column(Float)
     shift: Mapped[bool] = mapped_column(Boolean)
     topic_epoch: Mapped[int] = mapped_column(Integer)
+    # The handbook sections the topic's prompt holds after this message: their titles, a JSON list (at most two).
+    sections: Mapped[str] = mapped_column(Text, default="[]", server_default="[]")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

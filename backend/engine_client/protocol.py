@@ -110,6 +110,13 @@ class EngineClient(Protocol):
         """Free ``session``'s cached blocks from token ``from_position`` on, and every block that depends on them."""
         ...
 
+    def invalidate_prefix(
+        self, namespace: str, token_ids: Sequence[int], from_position: int, reason: str = "invalidated"
+    ) -> InvalidationResult:
+        """Shared text changed (a handbook section): free the cached chain ``token_ids`` spells from token
+        ``from_position`` on, and every block that depends on it, in every session of ``namespace``."""
+        ...
+
     def flush_namespace(self, namespace: str, reason: str = "flushed") -> InvalidationResult: ...
 
     def release_session(self, session: str) -> int:

@@ -338,6 +338,13 @@ class RemoteEngine:
         results = self._best_effort("/kvchat/invalidate", body, invalidation_from_json)
         return _summed(results) if results else InvalidationResult(0, 0, 0)
 
+    def invalidate_prefix(
+        self, namespace: str, token_ids: Sequence[int], from_position: int, reason: str = "invalidated"
+    ) -> InvalidationResult:
+        body = {"namespace": namespace, "token_ids": list(token_ids), "from_position": from_position, "reason": reason}
+        results = self._best_effort("/kvchat/invalidate-prefix", body, invalidation_from_json)
+        return _summed(results) if results else InvalidationResult(0, 0, 0)
+
     def flush_namespace(self, namespace: str, reason: str = "flushed") -> InvalidationResult:
         results = self._best_effort("/kvchat/flush", {"namespace": namespace, "reason": reason}, invalidation_from_json)
         return _summed(results) if results else InvalidationResult(0, 0, 0)

@@ -26,6 +26,7 @@ from backend.engine_server.schemas import (
     Erase,
     Flush,
     Invalidate,
+    InvalidatePrefix,
     Pin,
     SessionRef,
     Temperature,
@@ -71,6 +72,11 @@ def invalidate(body: Invalidate, engine: EngineDep) -> Any:
     return to_json(
         engine.invalidate(body.namespace, session=body.session, from_position=body.from_position, reason=body.reason)
     )
+
+
+@router.post("/invalidate-prefix")
+def invalidate_prefix(body: InvalidatePrefix, engine: EngineDep) -> Any:
+    return to_json(engine.invalidate_prefix(body.namespace, body.token_ids, body.from_position, body.reason))
 
 
 @router.post("/flush")

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -61,6 +61,17 @@ class Invalidate(BaseModel):
     namespace: str
     session: str | None = None
     from_position: int | None = Field(default=None, ge=0)
+    reason: str = "invalidated"
+
+
+class InvalidatePrefix(BaseModel):
+    """Shared text changed: the chain of ``token_ids`` from ``from_position`` on goes (``invalidate_prefix``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str
+    token_ids: list[Annotated[int, Field(ge=0)]] = Field(max_length=1_000_000)
+    from_position: int = Field(ge=0)
     reason: str = "invalidated"
 
 

@@ -1,7 +1,8 @@
 """The context layer of a chat turn: what the chat service asks of it, between the database and the engine.
 
 - ``observe_customer``: split a stored customer message into blocks (the tenant's rules, compiled once and again only
-  when they change), move the session's topic (semantic temperature, epoch, a history row) and store it all;
+  when they change), move the session's topic (semantic temperature, epoch, a history row), choose the topic's
+  handbook section(s) (``backend/context/sections.py``, replayed over the epoch's customer messages) and store it all;
 - ``observe_reply``: split a stored reply into blocks of the epoch of the message it answers (and let the topic
   scorer embed it, off the path of the customer's next message);
 - ``load`` + ``prepare``: the turn's engine request, built by ``backend/context/builder.py`` under the tenant's
@@ -32,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.context.blocks import Block, BlockKey
 from backend.context.builder import (
-    PREFIX_TYPES,
+    SHARED_TYPES,
     BuiltContext,
     ContextRequest,
     DropReason,
@@ -40,6 +41,7 @@ from backend.context.builder import (
     build_context,
 )
 from backend.context.rules import RuleSet
+from backend.context.sections import ChoiceSettings, SectionIndex, choose
 from backend.context.splitter import Splitter
 from backend.context.topic import TopicState, TopicTracker, TopicUpdate, identifier_keys
 from backend.core.errors import SessionNotFoundError, TenantNotFoundError
@@ -52,6 +54,7 @@ from backend.engine_client.values import InvalidationResult, SegmentedPrompt, To
 from backend.services import context_store
 from backend.services import sessions as store
 from backend.services.context_store import ContextSettings, RuleSetCache
+from backend.services.handbook import HandbookCache
 from backend.services.shared_scorer import shared_scorer
 from backend.services.tool_exchange import ToolExchange
 from backend.tools.family import detect_family
@@ -84,8 +87,22 @@ class SessionContext:
     settings: ContextSettings
     rules: RuleSet
     version: int  # the session's change count when it was read (``ContextService.is_current``)
+    handbook: SectionIndex  # the tenant's handbook at its current version
+    sections: dict[int, tuple[str, ...]]  # customer message seq → the titles of the topic's sections after it
 
-    def observed(self, seq: int, update: TopicUpdate, blocks: Sequence[Block], ids: Sequence[int]) -> SessionContext:
+    def sections_at(self, seq: int) -> tuple[str, ...]:
+        """The handbook sections of the topic of customer message ``seq`` (the latest choice at or before it)."""
+        earlier = [s for s in self.sections if s <= seq]
+        return self.sections[max(earlier)] if earlier else ()
+
+    def observed(
+        self,
+        seq: int,
+        update: TopicUpdate,
+        blocks: Sequence[Block],
+        ids: Sequence[int],
+        sections: tuple[str, ...] = (),
+    ) -> SessionContext:
         """This context after customer message ``seq`` was observed (``update``, its ``blocks`` stored as ``ids``):
         what reading it again would give, without reading it again."""
         return dataclasses.replace(
@@ -97,6 +114,7 @@ class SessionContext:
             temperatures={**self.temperatures, seq: update.temperature},
             blocks=[*self.blocks, *blocks],
             block_ids={**self.block_ids, **{b.key: i for b, i in zip(blocks, ids, strict=True)}},
+            sections={**self.sections, seq: sections},
         )
 
 
@@ -106,6 +124,7 @@ class Observation:
 
     update: TopicUpdate
     context: SessionContext
+    sections: tuple[str, ...] = ()  # the titles of the topic's handbook sections after the message
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +136,7 @@ class PreparedPrompt:
     namespace: str
     epoch: int  # the topic of the message the turn answers
     temperature: float | None
+    sections: tuple[str, ...] = ()  # the handbook sections the prompt holds (their titles)
 
     @property
     def prompt(self) -> SegmentedPrompt:
@@ -154,6 +174,8 @@ class ContextService:
         self._engine = engine
         self.namespaces = namespaces
         self._rules = RuleSetCache()
+        self._handbooks = HandbookCache()
+        self.choice = ChoiceSettings()
         self._policy_budget_tokens = policy_budget_tokens
         # NOTE: in memory: after a restart the first turn of a session has nothing to compare with, and a drop then
         # goes unnoticed; its blocks age out of the cache like any unused block.
@@ -170,14 +192,14 @@ class ContextService:
         """
         async with self._sm() as db:
             ctx = await self.load(db, tenant_id, session_id)
-        update, blocks = await run_cpu(tenant_id, self._observe_customer, ctx, message)
+        update, blocks, sections = await run_cpu(tenant_id, self._observe_customer, ctx, message)
         async with self._sm() as db:
             ids = await context_store.save_blocks(db, session_id, message.id, blocks, ctx.block_ids)
-            await context_store.record_topic(db, session_id, message.seq, update)
+            await context_store.record_topic(db, session_id, message.seq, update, sections)
             await db.commit()
         # NOTE: an eviction hint: when memory runs short, the engine lets a cold topic's blocks go first.
         self._engine.set_session_temperature(session_id, update.temperature)
-        return Observation(update, ctx.observed(message.seq, update, blocks, ids))
+        return Observation(update, ctx.observed(message.seq, update, blocks, ids, sections), sections)
 
     async def observe_reply(self, ctx: SessionContext, message: Message, epoch: int) -> None:
         """Store a reply's blocks (once: a replayed reply already has them); ``ctx`` is the context its prompt was
@@ -196,10 +218,24 @@ class ContextService:
         shared_scorer(ctx.settings.topic.backend).prepare(message.content)
         return self._splitter(ctx).split(message.content, seq=message.seq, epoch=epoch, history=ctx.blocks)
 
-    def _observe_customer(self, ctx: SessionContext, message: Message) -> tuple[TopicUpdate, list[Block]]:
+    def _observe_customer(
+        self, ctx: SessionContext, message: Message
+    ) -> tuple[TopicUpdate, list[Block], tuple[str, ...]]:
         update = self._tracker(ctx, message.seq).observe_customer(message.content)
         blocks = self._splitter(ctx).split(message.content, seq=message.seq, epoch=update.epoch, history=ctx.blocks)
-        return update, blocks
+        return update, blocks, self._sections(ctx, message, update.epoch)
+
+    def _sections(self, ctx: SessionContext, message: Message, epoch: int) -> tuple[str, ...]:
+        """The handbook sections for the epoch of ``message``: chosen over the epoch's customer messages in order."""
+        if not ctx.handbook.sections:
+            return ()
+        texts = [
+            m.content
+            for m in _in_order(ctx.messages)
+            if m.role == MessageRole.USER.value and m.seq != message.seq and ctx.epochs.get(m.seq) == epoch
+        ]
+        chosen = choose(ctx.handbook, [*texts, message.content], self.choice)
+        return tuple(ctx.handbook.sections[i].title for i in chosen)
 
     def _tracker(self, ctx: SessionContext, seq: int) -> TopicTracker:
         """The session's topic tracker as its stored state left it (before message ``seq``): the current epoch's
@@ -244,6 +280,7 @@ class ContextService:
         messages = await store.messages_after(db, session_id, 0)
         history = await context_store.topic_history(db, session_id)
         rows = await context_store.load_block_rows(db, session_id)
+        handbook = await self._handbooks.get(db, tenant_id, tenant.handbook_version)
         blocks = [block for block, _ in rows]
         return SessionContext(
             tenant_id,
@@ -262,6 +299,8 @@ class ContextService:
             settings,
             await self._rules.get(db, tenant_id),
             version,
+            handbook,
+            {row.message_seq: context_store.section_titles(row) for row in history},
         )
 
     @property
@@ -290,6 +329,8 @@ class ContextService:
             )
         )
         epoch = ctx.epochs.get(user_seq, ctx.epoch)
+        by_title = {s.title: s for s in ctx.handbook.sections}
+        sections = tuple(t for t in ctx.sections_at(user_seq) if t in by_title)
         request = ContextRequest(
             ctx.system_prompt,
             history,
@@ -298,6 +339,7 @@ class ContextService:
             budget,
             pinned_context=ctx.pinned_context,
             policy_text=ctx.policy_text,
+            sections=tuple(by_title[t].rendered() for t in sections),
             policy_budget_tokens=self._policy_budget_tokens,
             block_ids=ctx.block_ids,
             identify=identifier_keys(ctx.rules),
@@ -313,9 +355,9 @@ class ContextService:
         if counted[0][0] is not built.prompt:
             count(built.prompt)
         _, sent, tokenized = counted[0]
-        context_from = max((s.end for s in tokenized.spans if s.block_type in PREFIX_TYPES), default=0)
+        context_from = max((s.end for s in tokenized.spans if s.block_type in SHARED_TYPES), default=0)
         temperature = ctx.temperatures.get(user_seq, ctx.temperature)
-        return PreparedPrompt(built, tokenized, sent, context_from, ctx.namespace, epoch, temperature)
+        return PreparedPrompt(built, tokenized, sent, context_from, ctx.namespace, epoch, temperature, sections)
 
     # ------------------------------------------------------------------ invalidation
 

@@ -9,6 +9,7 @@ out of the chat's rule set, with one log line per compile, rather than stopping 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -205,8 +206,11 @@ async def load_block_rows(db: AsyncSession, session_id: str) -> list[tuple[Block
     ]
 
 
-async def record_topic(db: AsyncSession, session_id: str, message_seq: int, topic: TopicUpdate) -> None:
-    """Append a row to the topic history and set the session's current temperature and epoch."""
+async def record_topic(
+    db: AsyncSession, session_id: str, message_seq: int, topic: TopicUpdate, sections: Sequence[str] = ()
+) -> None:
+    """Append a row to the topic history (with the titles of the topic's handbook sections) and set the session's
+    current temperature and epoch."""
     db.add(
         TopicHistory(
             session_id=session_id,
@@ -215,6 +219,7 @@ async def record_topic(db: AsyncSession, session_id: str, message_seq: int, topi
             temperature=topic.temperature,
             shift=topic.shift,
             topic_epoch=topic.epoch,
+            sections=json.dumps(list(sections), ensure_ascii=False),
         )
     )
     await db.execute(
@@ -270,3 +275,12 @@ async def _block_ids(db: AsyncSession, session_id: str, keys: set[BlockKey]) -> 
 
 def _rule(row: SplitterRule) -> Rule:
     return Rule(row.name, row.pattern, BlockType(row.block_type), row.priority, row.language, row.enabled)
+
+
+def section_titles(row: TopicHistory) -> tuple[str, ...]:
+    """The handbook sections a topic history row names (none for a row stored before the handbook existed)."""
+    try:
+        titles = json.loads(row.sections or "[]")
+    except ValueError:
+        return ()
+    return tuple(str(t) for t in titles) if isinstance(titles, list) else ()

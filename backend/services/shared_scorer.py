@@ -7,7 +7,9 @@ the scorers that use the MiniLM encoder share it (and its lock).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
+from backend.context.minilm import Array
 from backend.context.scorers import make_scorer
 from backend.context.similarity import MiniLMSimilarity
 from backend.context.topic import ShiftScorer, TopicSettings, TopicState
@@ -51,3 +53,28 @@ def shared_scorer(name: str) -> LockedScorer:
                 minilm, lock = (sharing.minilm, sharing.lock) if sharing else (MiniLMSimilarity(), lock)
             _SCORERS[name] = LockedScorer(make_scorer(name, minilm), minilm, lock)
         return _SCORERS[name]
+
+
+class _LockedEmbedder:
+    """A ``StaticEmbedder`` shared by the threads of the process (its vector cache is not thread-safe)."""
+
+    def __init__(self) -> None:
+        from backend.context.static_embedding import StaticEmbedder
+
+        self._embedder = StaticEmbedder()
+        self._lock = threading.Lock()
+
+    def embed(self, texts: Sequence[str]) -> Array:
+        with self._lock:
+            return self._embedder.embed(texts)
+
+
+_EMBEDDER: list[_LockedEmbedder] = []
+
+
+def static_embedder() -> _LockedEmbedder:
+    """The process's static sentence vectors for ranking handbook sections (loaded on first use)."""
+    with _SCORERS_LOCK:
+        if not _EMBEDDER:
+            _EMBEDDER.append(_LockedEmbedder())
+        return _EMBEDDER[0]

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from backend.context.handbook import Section, parse_markdown
 from backend.core.errors import KeyNotFoundError, KeyRevokedError, TenantExistsError, TenantNotFoundError
 from backend.core.security import display_prefix, generate_key, hash_key
-from backend.db.models import ApiKey, Tenant, utcnow
+from backend.db.models import ApiKey, HandbookSection, Tenant, utcnow
 from backend.domain import KeyKind
 from backend.services.revocation import announce_revoked
 
@@ -26,6 +29,8 @@ DEFAULT_SYSTEM_PROMPT = (
     "You are a friendly, concise customer-service assistant. Answer from the store's policies; "
     "if you cannot help, offer to connect the customer with a human agent."
 )
+# The default tenant's first handbook (``KVCHAT_DEFAULT_HANDBOOK``: ``builtin``, a Markdown file, or ``none``).
+BUILTIN_HANDBOOK = Path(__file__).resolve().parent.parent / "context" / "default_handbook.md"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,16 +42,33 @@ class BootstrapResult:
 
 
 async def bootstrap_default_tenant(
-    sessionmaker: async_sessionmaker[AsyncSession], chat_token: str | None, admin_key: str | None
+    sessionmaker: async_sessionmaker[AsyncSession],
+    chat_token: str | None,
+    admin_key: str | None,
+    handbook: Sequence[Section] = (),
 ) -> BootstrapResult:
-    """Create the default tenant and its keys on a fresh install; make configured keys valid on every start."""
+    """Create the default tenant (with ``handbook``) and its keys on a fresh install; make configured keys valid on
+    every start."""
     async with sessionmaker() as db, db.begin():
         tenant = (await db.execute(select(Tenant).where(Tenant.name == DEFAULT_TENANT))).scalar_one_or_none()
         created = tenant is None
         if tenant is None:
-            tenant = Tenant(name=DEFAULT_TENANT, system_prompt=DEFAULT_SYSTEM_PROMPT)
+            tenant = Tenant(
+                name=DEFAULT_TENANT, system_prompt=DEFAULT_SYSTEM_PROMPT, handbook_version=1 if handbook else 0
+            )
             db.add(tenant)
             await db.flush()
+            for position, s in enumerate(handbook):
+                db.add(
+                    HandbookSection(
+                        tenant_id=tenant.id,
+                        position=position,
+                        title=s.title,
+                        text=s.text,
+                        content_hash=s.content_hash,
+                        version=1,
+                    )
+                )
         generated: dict[KeyKind, str | None] = {}
         for kind, configured in ((KeyKind.CHAT, chat_token), (KeyKind.ADMIN, admin_key)):
             generated[kind] = await _ensure_key(db, tenant.id, kind, configured, generate_if_missing=created)
@@ -211,3 +233,11 @@ async def authenticate_key(db: AsyncSession, key: str, kind: KeyKind) -> KeyOwne
     if found is None or not hmac.compare_digest(found[1], digest):
         return None
     return KeyOwner(found[0], found[2])
+
+
+def default_handbook(setting: str) -> list[Section]:
+    """The default tenant's first handbook: ``builtin`` (``BUILTIN_HANDBOOK``), a Markdown file's path, or ``none``."""
+    if setting == "none":
+        return []
+    path = BUILTIN_HANDBOOK if setting == "builtin" else Path(setting)
+    return parse_markdown(path.read_text(encoding="utf-8"))

@@ -207,6 +207,31 @@ class CacheControl:
             tier.remove(targets, root, protected)
         return result
 
+    def invalidate_prefix(
+        self, namespace: str, token_ids: Sequence[int], from_position: int, reason: str = "invalidated"
+    ) -> InvalidationResult:
+        """Shared text changed (a tenant's handbook section): free the cached blocks of the chain ``token_ids``
+        spells in ``namespace`` from the block holding ``from_position`` on, and every block that depends on them,
+        whichever session's chain lists them (those chains are cut there). The blocks before it (the text before the
+        change) stay. A block a running request holds is unpublished now and freed when the request ends.
+
+        NOTE: nothing is protected: every chain through the changed text is stale for every session; a hit on it
+        would still be exact (same tokens, same KV), but its text is no longer what any prompt of the tenant says.
+        """
+        if isinstance(from_position, bool) or not isinstance(from_position, int) or from_position < 0:
+            raise InvalidRequestError(f"from_position must be an integer >= 0, got {from_position!r}")
+        root = self.root(namespace)
+        targets = hash_chain(root, token_ids, self._block_size)[from_position // self._block_size :]
+        if not targets:
+            return InvalidationResult(0, 0, 0)
+        with self._lock:
+            self._sessions.cut_at(set(targets))
+            result = self._kv.invalidate(targets, root=root, reason=reason)
+            tier = self._tier
+        if tier is not None:
+            tier.remove(targets, root, set())
+        return result
+
     def flush_namespace(self, namespace: str, reason: str = "flushed") -> InvalidationResult:
         """Free every cached block of ``namespace`` (all its sessions' chains, its shared prefixes); no other
         namespace's block is reached. A block a running request holds is unpublished now and freed when the request

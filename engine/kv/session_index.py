@@ -13,7 +13,7 @@ Pure bookkeeping over hashes: it never looks at the pool, so a hash it returns m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 from engine.kv.block_hash import BlockHash
 
@@ -65,6 +65,17 @@ class SessionIndex:
             self._sessions_per_hash[block_hash] = self._sessions_per_hash.get(block_hash, 0) + 1
         self._chains[session_key] = new
         self._unref(old)
+
+    def cut_at(self, hashes: Set[BlockHash]) -> list[str]:
+        """Truncate every chain at its first hash in ``hashes`` (shared text they pass through changed); returns the
+        sessions cut. A chain's later blocks depend on that one, so nothing past it can still be wanted."""
+        cut = []
+        for session_key, chain in list(self._chains.items()):
+            first = next((i for i, h in enumerate(chain) if h in hashes), None)
+            if first is not None:
+                self.truncate(session_key, first)
+                cut.append(session_key)
+        return cut
 
     def release(self, session_key: str) -> list[BlockHash]:
         """Forget the session. Returns the hashes of its chain past its head that no other session references, tail

@@ -209,3 +209,35 @@ def test_a_turn_still_waiting_when_its_session_is_invalidated_keeps_nothing_past
 def test_bad_invalidation_arguments_are_refused(engine: LLMEngine, kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(InvalidRequestError, match=match):
         engine.invalidate("ns", **kwargs)  # type: ignore[arg-type]
+
+
+def test_invalidating_shared_text_frees_its_chain_in_every_session_and_keeps_what_came_before(
+    engine: LLMEngine, cold: LLMEngine
+) -> None:
+    # [system 32][section A 32] is shared by s1 and s2; [system][section B] by s3. Section A's text changes.
+    ns = "inv-prefix"
+    system, section_a, section_b = fresh(32, 80), fresh(32, 81), fresh(32, 82)
+    own1, own2, own3 = fresh(32, 83), fresh(32, 84), fresh(32, 85)
+    run(engine, system + section_a + own1, ns, "p1")
+    run(engine, system + section_a + own2, ns, "p2")
+    run(engine, system + section_b + own3, ns, "p3")
+    cached = engine.stats().kv.num_cached_blocks
+
+    # Section A's 2 blocks and each session's 2 own blocks (the 7 reply tokens fill none): 2 + 2 * 2 = 6 blocks.
+    result = engine.invalidate_prefix(ns, system + section_a, from_position=32, reason="handbook_edited")
+    assert result == InvalidationResult(blocks_freed=6, tokens_freed=96, deferred=0)
+    assert engine.stats().kv.num_cached_blocks == cached - 6
+    assert engine.stats().cache.invalidations["handbook_edited"] == InvalidationCounts(6, 96, 0)
+    assert engine.invalidate_prefix(ns, system + section_a, from_position=32) == InvalidationResult(0, 0, 0)
+
+    # The system prompt's blocks and section B's session stay; a turn on the new text hits the system prompt only.
+    assert run(engine, system + section_b + own3, ns, "p3").stats.cached_tokens == 80  # all but the last token
+    edited = system + fresh(32, 86) + own1
+    turn = run(engine, edited, ns, "p1")
+    assert turn.stats.cached_tokens == 32
+    assert turn.token_ids == cold_tokens(cold, edited)
+    # Another namespace is never reached; a bad position is refused.
+    assert engine.invalidate_prefix("inv-other", system + section_b, 0) == InvalidationResult(0, 0, 0)
+    with pytest.raises(InvalidRequestError, match="from_position"):
+        engine.invalidate_prefix(ns, system, -1)
+    assert_pool_idle(engine)

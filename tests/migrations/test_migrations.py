@@ -20,7 +20,8 @@ TABLES_0001 = {"tenants", "api_keys", "chat_sessions", "messages"}
 TABLES_0002 = {"splitter_rules", "semantic_blocks", "topic_history", "invalidation_events", "tenant_context_settings"}
 TABLES_0004 = {"admin_audit"}
 TABLES_0008 = {"tenant_reply_settings", "tenant_tools"}
-EXPECTED_TABLES = TABLES_0001 | TABLES_0002 | TABLES_0004 | TABLES_0008
+TABLES_0010 = {"handbook_sections"}
+EXPECTED_TABLES = TABLES_0001 | TABLES_0002 | TABLES_0004 | TABLES_0008 | TABLES_0010
 SESSION_COLUMNS_0002 = {"semantic_temperature", "topic_epoch"}
 
 

@@ -23,7 +23,7 @@ from backend.core.limits import ExternalRef, QueryOffset, SafeText, SessionId
 from backend.db.models import ChatSession, InvalidationEvent, TopicHistory
 from backend.domain import SessionStatus
 from backend.engine_client.values import InvalidationResult
-from backend.services import cache_admin, session_admin
+from backend.services import cache_admin, context_store, session_admin
 from backend.services.session_admin import SessionDetail, SessionQuery, SessionSummary
 
 router = APIRouter(prefix="/admin/sessions", tags=["admin: sessions"])
@@ -122,11 +122,17 @@ class TemperaturePoint(BaseModel):
     temperature: float
     shift: bool
     epoch: int
+    section: list[str] = Field(description="the handbook sections the topic's prompt held after this message")
 
     @classmethod
     def of(cls, t: TopicHistory) -> TemperaturePoint:
         return cls(
-            seq=t.message_seq, similarity=t.similarity, temperature=t.temperature, shift=t.shift, epoch=t.topic_epoch
+            seq=t.message_seq,
+            similarity=t.similarity,
+            temperature=t.temperature,
+            shift=t.shift,
+            epoch=t.topic_epoch,
+            section=list(context_store.section_titles(t)),
         )
 
 
@@ -166,6 +172,7 @@ class SessionDetailOut(BaseModel):
     temperature_history: list[TemperaturePoint]
     invalidation_events: list[InvalidationOut]
     cache_footprint: FootprintOut
+    section: list[str] = Field(description="the handbook sections of the session's current topic")
 
     @classmethod
     def of(cls, d: SessionDetail) -> SessionDetailOut:
@@ -180,6 +187,7 @@ class SessionDetailOut(BaseModel):
             temperature_history=[TemperaturePoint.of(t) for t in d.topics],
             invalidation_events=[InvalidationOut.of(e) for e in d.invalidations],
             cache_footprint=FootprintOut(blocks=d.footprint.blocks, tokens=d.footprint.tokens),
+            section=list(context_store.section_titles(d.topics[-1])) if d.topics else [],
         )
 
 
