@@ -3,10 +3,15 @@
 Two source formats (``parse``):
 
 - Markdown: one section per heading (any level); the text under a heading, down to the next heading, is the
-  section's. Text before the first heading becomes a section titled by ``PREAMBLE_TITLE``.
+  section's. Text before the first heading becomes a section titled by ``PREAMBLE_TITLE``. A line ``Examples:``
+  followed by a list (``- ...``) gives example customer questions instead of text.
 - JSON in the shape of ABCD's agent guidelines (``bench/data/abcd_guidelines.json``): ``{flow: {"description",
   "subflows": {subflow: {"instructions": [...], "actions": [{"text", "subtext": [...]}, ...]}}}}``; one section per
-  subflow, titled ``Flow: Subflow``, its text the flow's description, the instructions and the numbered actions.
+  subflow, titled ``Flow: Subflow``, its text the flow's description, the instructions and the numbered actions; an
+  optional ``"examples": [...]`` per subflow.
+
+Examples are how customers ask for a section ("my promo code won't work"): the ranking reads them
+(``backend/context/sections.py``), the prompt never shows them, and editing them keeps the section's cached blocks.
 
 ``HandbookLimits`` caps what one tenant may load (the section count, a section's size, the total), so the ranking
 and the prompt stay bounded; ``check`` raises ``HandbookLimitError`` naming the cap.
@@ -29,6 +34,8 @@ from backend.context.errors import HandbookError, HandbookLimitError
 PREAMBLE_TITLE = "Overview"
 _HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$")
 _FENCE = re.compile(r"^[ \t]*(```|~~~)")
+_EXAMPLES = re.compile(r"(?i)^[ \t]*(?:examples|example questions)[ \t]*:[ \t]*$")
+_ITEM = re.compile(r"^[ \t]*[-*+][ \t]+(.+?)[ \t]*$")
 
 
 class HandbookFormat(StrEnum):
@@ -42,6 +49,7 @@ class Section:
 
     title: str
     text: str
+    examples: tuple[str, ...] = ()  # how customers ask for it: read by the ranking, never shown in the prompt
 
     @property
     def content_hash(self) -> str:
@@ -62,6 +70,7 @@ class HandbookLimits:
     max_section_chars: int = 8_000
     max_total_chars: int = 400_000
     max_title_chars: int = 200
+    max_examples: int = 50  # per section
 
 
 def parse(content: str, fmt: HandbookFormat) -> list[Section]:
@@ -90,9 +99,22 @@ def parse_markdown(content: str) -> list[Section]:
 
 
 def _close(sections: list[Section], title: str, lines: list[str]) -> None:
-    text = "\n".join(lines).strip()
+    kept: list[str] = []
+    examples: list[str] = []
+    listing = False
+    for line in lines:
+        if _EXAMPLES.match(line):
+            listing = True
+            continue
+        item = _ITEM.match(line) if listing else None
+        if item is not None:
+            examples.append(item.group(1))
+            continue
+        listing = listing and not line.strip()
+        kept.append(line)
+    text = "\n".join(kept).strip()
     if text:
-        sections.append(Section(title, text))
+        sections.append(Section(title, text, tuple(examples)))
 
 
 def parse_abcd(body: Any) -> list[Section]:
@@ -107,7 +129,11 @@ def parse_abcd(body: Any) -> list[Section]:
         for subflow, sub in spec["subflows"].items():
             if not isinstance(sub, dict):
                 raise HandbookError(f"{flow}: subflow {subflow!r}: expected an object")
-            sections.append(Section(f"{flow}: {subflow}", _abcd_text(flow, subflow, description, sub)))
+            examples = sub.get("examples", [])
+            if not isinstance(examples, list) or not all(isinstance(e, str) for e in examples):
+                raise HandbookError(f"{flow}: {subflow}: 'examples' must be a list of strings")
+            text = _abcd_text(flow, subflow, description, sub)
+            sections.append(Section(f"{flow}: {subflow}", text, tuple(e.strip() for e in examples if e.strip())))
     return sections
 
 
@@ -156,6 +182,11 @@ def check(sections: Sequence[Section], limits: HandbookLimits) -> None:
         seen.add(s.title)
         if not s.text.strip():
             raise HandbookError(f"section {s.title!r} has no text")
+        if len(s.examples) > limits.max_examples or any(len(e) > 1000 for e in s.examples):
+            raise HandbookLimitError(
+                f"section {s.title!r} has {len(s.examples)} examples: "
+                f"at most {limits.max_examples}, of 1000 characters each"
+            )
         if len(s.text) > limits.max_section_chars:
             raise HandbookLimitError(
                 f"section {s.title!r} has {len(s.text)} characters, over {limits.max_section_chars}: split it"

@@ -1,10 +1,15 @@
 """Which handbook section(s) a topic's prompt holds: ranked for the customer's messages of the epoch, and kept for
 the epoch unless the topic clearly moves.
 
-Ranking (``SectionIndex.scores``): BM25 over each section's title and text (``bm25s``, English stop words, Snowball
-stems), mixed with the cosine of static sentence vectors (``StaticEmbedder``, the topic scorer's own), each scaled to
-[0, 1] over the sections. ``bench/grounding.py`` reports the top-1 flow accuracy of BM25 alone, the vectors alone
-and the mix on a labelled set of customer requests; the mix's weight was chosen on its dev split only.
+Ranking (``SectionIndex.scores``), each part scaled to [0, 1] over the sections, then mixed:
+
+- BM25 over each section's title and text (``bm25s``, English stop words, Snowball stems);
+- the cosine of the query's sentence vector (all-MiniLM-L6-v2) with the section's head (its title and first
+  ``HEAD_CHARS`` characters: a section's opening says what it is about, and a short text embeds fast);
+- when the handbook gives example customer questions, the best cosine with one of the section's examples.
+
+``bench/grounding.py`` reports the top-1 flow accuracy of each part and the mix on a labelled set of customer
+requests (``bench/data/handbook_requests.jsonl``); the weights were chosen on its dev split only.
 
 Choosing (``choose``): the epoch's customer messages are read in order, the query growing with each. The first
 message whose best section scores at least ``min_score`` picks it (and the runner-up when it scores within
@@ -34,11 +39,17 @@ class Embedder(Protocol):
     def embed(self, texts: Sequence[str]) -> Array: ...
 
 
+HEAD_CHARS = 200
+
+
 @dataclass(frozen=True, slots=True)
 class ChoiceSettings:
-    """``bm25_weight``: the mix of BM25 and vector scores (1: BM25 alone); the rest as in the module's docstring."""
+    """``bm25_weight``: the share of BM25 against the head vectors (1: BM25 alone); ``example_weight``: what the
+    examples add; the rest as in the module's docstring. The weights were chosen on the dev split of
+    bench/data/handbook_requests.jsonl (examples scored leave-one-out)."""
 
-    bm25_weight: float = 0.3  # chosen on the dev split of bench/data/handbook_requests.jsonl
+    bm25_weight: float = 0.3
+    example_weight: float = 2.0
     min_score: float = 0.2
     switch_margin: float = 0.25
     second_ratio: float = 0.95
@@ -64,28 +75,43 @@ class SectionIndex:
         if self.sections:
             self._bm25.index(self._tokens(texts), show_progress=False)
         self._embedder = embedder
-        self._vectors = embedder.embed(texts) if embedder is not None and self.sections else None
+        self._heads: Array | None = None
+        self._examples: Array | None = None
+        self._example_of: list[int] = []
+        if embedder is not None and self.sections:
+            self._heads = embedder.embed([f"{s.title}. {s.text[:HEAD_CHARS]}" for s in self.sections])
+            self._example_of = [i for i, s in enumerate(self.sections) for _ in s.examples]
+            if self._example_of:
+                self._examples = embedder.embed([e for s in self.sections for e in s.examples])
 
     def _tokens(self, texts: list[str]) -> list[list[str]]:
         with _STEMMER_LOCK:  # NOTE: a Snowball stemmer object is not thread-safe
             out = bm25s.tokenize(texts, stopwords="en", stemmer=self._stemmer, return_ids=False, show_progress=False)
         return [list(t) for t in out]
 
-    def scores(self, query: str, bm25_weight: float) -> Array:
-        """Every section's score for ``query`` in [0, 1]: ``bm25_weight`` of BM25, the rest vector cosine."""
+    def scores(self, query: str, bm25_weight: float, example_weight: float = 0.0) -> Array:
+        """Every section's score for ``query``: ``bm25_weight`` of BM25 and the rest head cosine (each in [0, 1]),
+        plus ``example_weight`` times the examples' score; scaled so the best possible is 1."""
         n = len(self.sections)
         if n == 0 or not query.strip():
             return np.zeros(n, dtype=np.float32)
         tokens = self._tokens([query])[0]
-        lexical = self._bm25.get_scores(tokens) if tokens else np.zeros(n, dtype=np.float32)
-        mixed = bm25_weight * _unit_max(np.asarray(lexical, dtype=np.float32))
-        if self._vectors is not None and self._embedder is not None and bm25_weight < 1.0:
-            cosine = self._vectors @ self._embedder.embed([query])[0]
-            mixed = mixed + (1.0 - bm25_weight) * _min_max(cosine) * float(lexical.max() > 0 or cosine.max() > 0)
-        return mixed
+        lexical = np.asarray(self._bm25.get_scores(tokens) if tokens else np.zeros(n), dtype=np.float32)
+        mixed = bm25_weight * _unit_max(lexical)
+        total = bm25_weight
+        if self._heads is not None and self._embedder is not None and bm25_weight < 1.0:
+            vector = self._embedder.embed([query])[0]
+            mixed = mixed + (1.0 - bm25_weight) * _min_max(self._heads @ vector)
+            total = 1.0
+            if self._examples is not None and example_weight > 0:
+                best = np.zeros(n, dtype=np.float32)
+                np.maximum.at(best, self._example_of, self._examples @ vector)
+                mixed = mixed + example_weight * _min_max(best)
+                total += example_weight
+        return mixed / total if total > 0 else mixed
 
-    def ranked(self, query: str, bm25_weight: float) -> list[Ranked]:
-        scores = self.scores(query, bm25_weight)
+    def ranked(self, query: str, bm25_weight: float, example_weight: float = 0.0) -> list[Ranked]:
+        scores = self.scores(query, bm25_weight, example_weight)
         return [Ranked(int(i), float(scores[i])) for i in np.argsort(-scores, kind="stable")]
 
 
@@ -95,7 +121,7 @@ def choose(index: SectionIndex, messages: Sequence[str], settings: ChoiceSetting
     query = ""
     for message in messages:
         query = f"{query}\n{message}" if query else message
-        ranked = index.ranked(query, settings.bm25_weight)
+        ranked = index.ranked(query, settings.bm25_weight, settings.example_weight)
         if not ranked or ranked[0].score < settings.min_score:
             continue
         best = ranked[0]

@@ -73,7 +73,8 @@ class HandbookSection(Base):
     position: Mapped[int] = mapped_column(Integer)
     title: Mapped[str] = mapped_column(String(200))
     text: Mapped[str] = mapped_column(Text)
-    content_hash: Mapped[str] = mapped_column(String(64))
+    content_hash: Mapped[str] = mapped_column(String(64))  # of title and text: what the prompt holds
+    examples: Mapped[str] = mapped_column(Text, default="[]", server_default="[]")  # customer questions, JSON list
     version: Mapped[int] = mapped_column(Integer)  # the handbook version that last changed it
 
 

@@ -15,6 +15,7 @@ engine frees that chain from the section's first token on, with every block afte
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from collections.abc import Sequence
@@ -33,10 +34,10 @@ from backend.core.offload import run_cpu
 from backend.db.models import HandbookSection, Tenant
 from backend.domain import InvalidationReason, MessageRole
 from backend.engine_client.protocol import EngineClient
-from backend.engine_client.values import InvalidationResult, SegmentedPrompt
+from backend.engine_client.values import InvalidationResult, SegmentedPrompt, common_prefix
 from backend.services import context_store
 from backend.services.cache_admin import namespace_of
-from backend.services.shared_scorer import static_embedder
+from backend.services.shared_scorer import section_embedder
 
 ADMIN_ACTOR = "admin"
 
@@ -99,7 +100,7 @@ async def edit_section(
     old = await sections_of(db, tenant_id)
     if not any(row.title == title for row in old):
         raise HandbookError(f"the handbook has no section titled {title!r}")
-    sections = [Section(r.title, text if r.title == title else r.text) for r in old]
+    sections = [dataclasses.replace(section_of(r), text=text) if r.title == title else section_of(r) for r in old]
     check(sections, limits)
     return await _store(db, engine, namespaces, tenant_id, sections, actor)
 
@@ -145,6 +146,7 @@ async def _store(
                 title=s.title,
                 text=s.text,
                 content_hash=s.content_hash,
+                examples=json.dumps(list(s.examples), ensure_ascii=False),
                 version=row.version if row is not None and row.content_hash == s.content_hash else version,
             )
         )
@@ -186,16 +188,37 @@ async def forget_text(
 def _section_ids(
     engine: EngineClient, system_prompt: str, policy_text: str, chain: Sequence[Section | None]
 ) -> tuple[list[int], int | None]:
-    """The token ids of ``[system][policy][chain...]`` as every prompt renders them, and where the last section's
-    text starts (None when it renders to nothing)."""
+    """The token ids of ``[system][policy][chain...]`` as every prompt renders them, and the first token of the last
+    section's own text (None when it renders to nothing).
+
+    NOTE: not the start of its segment: the separator and the ``Handbook:`` label open every section, so the block
+    holding them (and the system prompt's tail) is the same for every section and holds none of this one's text.
+    """
+    ids, end = _render_ids(engine, system_prompt, policy_text, chain)
+    if end is None:
+        return [], None
+    other, _ = _render_ids(engine, system_prompt, policy_text, [*chain[:-1], Section("\u2063", "\u2063")])
+    return ids[:end], common_prefix(ids, other)
+
+
+def _render_ids(
+    engine: EngineClient, system_prompt: str, policy_text: str, chain: Sequence[Section | None]
+) -> tuple[list[int], int | None]:
     head = prefix_segments(system_prompt, policy_text)
     segments = head + section_segments(bool(head), [s.rendered() for s in chain if s is not None])
     prompt = SegmentedPrompt.of((MessageRole.SYSTEM.value, segments), add_generation_prompt=False)
     tokenized = engine.tokenize_prompt(prompt)
     spans = [s for s in tokenized.spans if s.block_type == HANDBOOK_SECTION]
-    if not spans:
-        return [], None
-    return tokenized.token_ids[: spans[-1].end], spans[-1].start
+    return tokenized.token_ids, (spans[-1].end if spans else None)
+
+
+def section_of(row: HandbookSection) -> Section:
+    """A stored section as the context layer reads it."""
+    try:
+        examples = json.loads(row.examples or "[]")
+    except ValueError:
+        examples = []
+    return Section(row.title, row.text, tuple(str(e) for e in examples) if isinstance(examples, list) else ())
 
 
 def parse_format(name: str) -> HandbookFormat:
@@ -223,8 +246,8 @@ class HandbookCache:
         if cached is not None and cached[0] == version:
             return cached[1]
         rows = await sections_of(db, tenant_id)
-        sections = [Section(r.title, r.text) for r in rows]
-        index = await run_cpu(tenant_id, SectionIndex, sections, static_embedder())
+        sections = [section_of(r) for r in rows]
+        index = await run_cpu(tenant_id, SectionIndex, sections, section_embedder())
         with self._lock:
             self._indexes[tenant_id] = (version, index)
         return index

@@ -56,12 +56,11 @@ def shared_scorer(name: str) -> LockedScorer:
 
 
 class _LockedEmbedder:
-    """A ``StaticEmbedder`` shared by the threads of the process (its vector cache is not thread-safe)."""
+    """The MiniLM sentence encoder for ranking handbook sections, shared by the threads of the process (its vector
+    cache is not thread-safe)."""
 
     def __init__(self) -> None:
-        from backend.context.static_embedding import StaticEmbedder
-
-        self._embedder = StaticEmbedder()
+        self._embedder = MiniLMSimilarity()
         self._lock = threading.Lock()
 
     def embed(self, texts: Sequence[str]) -> Array:
@@ -72,8 +71,8 @@ class _LockedEmbedder:
 _EMBEDDER: list[_LockedEmbedder] = []
 
 
-def static_embedder() -> _LockedEmbedder:
-    """The process's static sentence vectors for ranking handbook sections (loaded on first use)."""
+def section_embedder() -> _LockedEmbedder:
+    """The process's sentence encoder for ranking handbook sections (loaded on first use)."""
     with _SCORERS_LOCK:
         if not _EMBEDDER:
             _EMBEDDER.append(_LockedEmbedder())

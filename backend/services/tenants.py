@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,7 @@ async def bootstrap_default_tenant(
                         title=s.title,
                         text=s.text,
                         content_hash=s.content_hash,
+                        examples=json.dumps(list(s.examples)),
                         version=1,
                     )
                 )

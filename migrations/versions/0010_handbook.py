@@ -5,7 +5,7 @@ Revises: 0009
 Create Date: 2026-12-05 04:50:00.000000
 
 - ``handbook_sections``: one row per section of a tenant's handbook (title unique per tenant, position, text, a
-  sha256 of title and text, the handbook version that last changed it);
+  sha256 of title and text, example customer questions as a JSON list, the handbook version that last changed it);
 - ``tenants.handbook_version``: bumped by every edit; the section cache and the audit log name it;
 - ``topic_history.sections``: the titles of the sections the topic's prompt held after the message (JSON list).
 
@@ -32,6 +32,7 @@ def upgrade() -> None:
         sa.Column("title", sa.String(length=200), nullable=False),
         sa.Column("text", sa.Text(), nullable=False),
         sa.Column("content_hash", sa.String(length=64), nullable=False),
+        sa.Column("examples", sa.Text(), server_default="[]", nullable=False),
         sa.Column("version", sa.Integer(), nullable=False),
         sa.ForeignKeyConstraint(
             ["tenant_id"], ["tenants.id"], name=op.f("fk_handbook_sections_tenant_id_tenants"), ondelete="CASCADE"

@@ -27,11 +27,13 @@ MAX_UPLOAD_CHARS = 2_000_000
 class SectionOut(BaseModel):
     title: str
     text: str
+    examples: list[str] = Field(description="example customer questions: read by the ranking, never in the prompt")
     version: int = Field(description="the handbook version that last changed this section")
 
     @classmethod
     def of(cls, row: HandbookSection) -> SectionOut:
-        return cls(title=row.title, text=row.text, version=row.version)
+        s = handbook.section_of(row)
+        return cls(title=s.title, text=s.text, examples=list(s.examples), version=row.version)
 
 
 class HandbookOut(BaseModel):
