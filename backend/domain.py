@@ -54,3 +54,11 @@ class InvalidationReason(StrEnum):
     ADMIN_FLUSH = "admin_flush"  # an admin flushed a session's cache, or the whole tenant's
     TENANT_PROMPT_EDITED = "tenant_prompt_edited"  # the system prompt or policy text (every prompt's part 1) changed
     SESSION_ERASED = "session_erased"  # an admin deleted the session: its blocks left every tier
+
+
+class ReplicaErase(StrEnum):
+    """A tenant's choice for erasing a session on an engine replica that has no per-session erase (a vLLM replica;
+    docs/scale-out.md)."""
+
+    REPORT = "report"  # erase nothing there: the erasure names the replica as not erased (HTTP 207)
+    RESET_CACHE = "reset_cache"  # reset that replica's whole prefix cache: every session on it loses its prefixes

@@ -57,6 +57,8 @@ class Tenant(Base):
     cache_scope: Mapped[str] = mapped_column(String(16), default="private", server_default="private")
     # Keep the system + policy prefix pinned in the engine's memory tier (backend/services/cache_admin.py).
     pin_prefix: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # "report" or "reset_cache": erasing a session on a replica without a per-session erase (backend/domain.py).
+    replica_erase: Mapped[str] = mapped_column(String(16), default="report", server_default="report")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
