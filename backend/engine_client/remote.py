@@ -347,10 +347,10 @@ class RemoteEngine:
         reason: str = "invalidated",
     ) -> ReportedInvalidation:
         body = {"namespace": namespace, "session": session, "from_position": from_position, "reason": reason}
-        return self._freed("/kvchat/invalidate", body, "invalidated")
+        return self._freed("/kvchat/invalidate", body)
 
     def flush_namespace(self, namespace: str, reason: str = "flushed") -> ReportedInvalidation:
-        return self._freed("/kvchat/flush", {"namespace": namespace, "reason": reason}, "flushed")
+        return self._freed("/kvchat/flush", {"namespace": namespace, "reason": reason})
 
     def release_session(self, session: str) -> int:
         return sum(self._best_effort("/kvchat/sessions/release", {"session": session}, _int("blocks_freed")))
@@ -443,7 +443,7 @@ class RemoteEngine:
     def _best_effort(self, path: str, body: dict[str, Any], decode: Any) -> list[Any]:
         return [] if self._kvchat is None else self._kvchat.best_effort("POST", path, body, decode)
 
-    def _freed(self, path: str, body: dict[str, Any], what: str) -> ReportedInvalidation:
+    def _freed(self, path: str, body: dict[str, Any]) -> ReportedInvalidation:
         """An invalidate or a flush: the sum over the kvchat replicas that answered (``EngineUnreachable`` when none
         did), with the report naming the others and the vLLM replicas (which have no such action)."""
         answers, failed = self._each("POST", path, body, invalidation_from_json)
@@ -452,7 +452,7 @@ class RemoteEngine:
         if failed and not answers:
             raise failed[0][1]
         total = _summed(answers) if answers else InvalidationResult(0, 0, 0)
-        report = self._report(failed, f"vLLM has no per-session or per-namespace control: nothing {what}")
+        report = self._report(failed, "vLLM has no per-session or per-namespace cache control")
         return ReportedInvalidation(total.blocks_freed, total.tokens_freed, total.deferred, report)
 
     def _each(
