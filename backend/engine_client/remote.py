@@ -360,6 +360,8 @@ class RemoteEngine:
         has no per-session erase, or one that failed: the others are erased all the same)."""
         body = {"session": session, "namespace": namespace}
         answers, failed = self._each("POST", "/kvchat/sessions/erase", body, erasure_from_json)
+        for url, exc in failed:
+            log.warning("erasing session %s on %s failed: %s", session, url, exc)
         total = _summed(answers) if answers else ErasureResult(0, 0)
         report = self._report(failed, "vLLM has no per-session erase")
         return ReportedErasure(total.memory_blocks, total.disk_blocks, report)
