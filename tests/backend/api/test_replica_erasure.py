@@ -2,7 +2,7 @@
 ``/kvchat/*`` routes, ``support/vllm_standin.py``): an erasure that the replica cannot do answers 207 and names it,
 in the response and in the audit row, and the session's rows are gone all the same; with the tenant's
 ``replica_erase`` at ``reset_cache`` the replica receives the prefix-cache reset and the erasure is complete; a
-flush names the replica as well."""
+flush, a pin and a pinned-context edit name the replica as well."""
 
 from __future__ import annotations
 
@@ -139,3 +139,22 @@ async def test_a_flush_the_vllm_replica_cannot_do_names_it(live: LiveServer, vll
         "incomplete",
         f"freed 0 blocks (0 tokens) of the session; not flushed on {vllm.url} (unsupported: {nothing})",
     )
+
+
+async def test_a_pin_and_a_pinned_context_edit_name_the_vllm_replica(live: LiveServer, vllm: VllmStandIn) -> None:
+    session_id = await _session_with_a_turn(live)
+    async with httpx.AsyncClient(base_url=live.http) as http:
+        pinned = await http.put("/admin/tenant/cache", headers=A, json={"cache_scope": "private", "pin_prefix": True})
+        pin_audit = await _last_audit(http)
+        edited = await http.put(f"/admin/sessions/{session_id}/context", headers=A, json={"pinned_context": "VIP"})
+    assert pinned.status_code == 207, pinned.text
+    assert pinned.json()["pin_prefix"] is True  # stored: the kvchat replicas (none here) pinned it
+    no_pin = {"replica": vllm.url, "outcome": "unsupported", "detail": "vLLM has no pinning"}
+    assert pinned.json()["pinned_replicas"] == [no_pin]
+    assert (pin_audit["result"], pin_audit["detail"]) == (
+        "incomplete",
+        f"pinned 0 blocks; not pinned on {vllm.url} (unsupported: vLLM has no pinning)",
+    )
+    assert edited.status_code == 207, edited.text
+    assert (edited.json()["pinned_context"], edited.json()["complete"]) == ("VIP", False)
+    assert [r["outcome"] for r in edited.json()["replicas"]] == ["unsupported"]
