@@ -55,3 +55,11 @@ class InvalidationReason(StrEnum):
     TENANT_PROMPT_EDITED = "tenant_prompt_edited"  # the system prompt or policy text (every prompt's part 1) changed
     SESSION_ERASED = "session_erased"  # an admin deleted the session: its blocks left every tier
     HANDBOOK_EDITED = "handbook_edited"  # a handbook section changed or went: the blocks that held its old text
+
+
+class ReplicaErase(StrEnum):
+    """A tenant's choice for erasing a session on an engine replica that has no per-session erase (a vLLM replica;
+    docs/scale-out.md)."""
+
+    REPORT = "report"  # erase nothing there: the erasure names the replica as not erased (HTTP 207)
+    RESET_CACHE = "reset_cache"  # reset that replica's whole prefix cache: every session on it loses its prefixes

@@ -102,9 +102,11 @@ def audited(action: str) -> Any:
     return Depends(dependency, scope="function")
 
 
-def audit_note(request: Request, detail: str) -> None:
-    """What the action did, for its audit row (``audited`` / ``operator_audited`` store it with the result)."""
+def audit_note(request: Request, detail: str, result: str = audit.OK) -> None:
+    """What the action did, for its audit row (``audited`` / ``operator_audited`` store it with the result);
+    ``result`` ``audit.INCOMPLETE`` for an action done in part (an error still records the error's code)."""
     request.state.audit_detail = detail[:500]
+    request.state.audit_result = result
 
 
 @asynccontextmanager
@@ -115,9 +117,8 @@ async def _recording(request: Request, state: AppState, entry: audit.AuditEntry)
         detail = getattr(request.state, "audit_detail", None)
         await audit.record(state.sessionmaker, dataclasses.replace(entry, result=_audit_result(exc), detail=detail))
         raise
-    await audit.record(
-        state.sessionmaker, dataclasses.replace(entry, detail=getattr(request.state, "audit_detail", None))
-    )
+    detail, result = getattr(request.state, "audit_detail", None), getattr(request.state, "audit_result", entry.result)
+    await audit.record(state.sessionmaker, dataclasses.replace(entry, detail=detail, result=result))
 
 
 def _target(request: Request) -> str | None:

@@ -59,6 +59,8 @@ class Tenant(Base):
     pin_prefix: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # Bumped by every handbook edit (backend/services/handbook.py): the version the section cache and audit name.
     handbook_version: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # "report" or "reset_cache": erasing a session on a replica without a per-session erase (backend/domain.py).
+    replica_erase: Mapped[str] = mapped_column(String(16), default="report", server_default="report")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

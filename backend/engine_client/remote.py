@@ -14,7 +14,9 @@ through vllm-router or one replica directly (``KVCHAT_ENGINE_URL``; docs/scale-o
   those listed (``KVCHAT_ENGINE_REPLICAS``), else the workers vllm-router lists at start (``/list_workers``).
 - **vLLM replicas** (no ``/kvchat/info``): generation works (the namespace goes out as ``cache_salt``); invalidate,
   release, erase, pin, temperature, footprint, cache settings and engine stats do not exist there. Each missing item
-  is logged once at start and its calls do nothing (zeros), so no call fails because of it.
+  is logged once at start and its calls do nothing there, so no call fails because of it; but the result of an
+  operator's action (erase, flush, invalidate, pin) names each replica that did nothing (``replica_report.py``), and
+  ``reset_prefix_caches`` offers the coarser erase vLLM has (its whole prefix cache, where its server exposes it).
 
 ``stats``, ``session_footprint``, ``pin_prefix``, ``unpin`` and ``cache_settings`` are called in place by the backend
 (in memory for the in-process engine): here each is one blocking round trip per replica, bounded by the timeout.
@@ -26,7 +28,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, TypeVar
 
@@ -36,6 +38,14 @@ from backend.engine_client.protocol import TextTokenizer
 from backend.engine_client.remote_control import ReplicaSet
 from backend.engine_client.remote_errors import EngineMismatch, EngineProtocolError, EngineUnreachable
 from backend.engine_client.remote_stream import StreamReader, error_of_response
+from backend.engine_client.replica_report import (
+    ReplicaOutcome,
+    ReplicaReport,
+    ReplicaResult,
+    ReportedErasure,
+    ReportedInvalidation,
+    ReportedPin,
+)
 from backend.engine_client.values import (
     CacheFootprint,
     CacheSettings,
@@ -48,7 +58,6 @@ from backend.engine_client.values import (
     FinishReason,
     GenerationEvent,
     InvalidationResult,
-    PinResult,
     Prompt,
     RequestFinished,
     SamplingParams,
@@ -73,6 +82,7 @@ T = TypeVar("T")
 
 SESSION_HEADER = "X-Session-ID"
 VLLM_MISSING = ("invalidate", "release", "erase", "pin", "session temperature", "footprint", "cache settings", "stats")
+VLLM_RESET = "/reset_prefix_cache?reset_running_requests=true"
 
 
 class _Retryable(Exception):
@@ -107,6 +117,7 @@ class RemoteEngine:
         self._listed = [u.rstrip("/") for u in replicas]
         self._replicas = ReplicaSet([], headers, min(timeout_s, 10.0))  # (filled at start: _discover)
         self._kvchat: ReplicaSet | None = None  # the replicas that are kvchat engines (vLLM ones have no control)
+        self._vllm: list[str] = []  # the replicas that are vLLM servers
         self._http: httpx.AsyncClient | None = None
         self._encoder: PromptEncoder | None = None
         self._info: EngineInfo | None = None
@@ -152,6 +163,7 @@ class RemoteEngine:
         self._info = dataclasses.replace(infos[0], num_blocks=min(i.num_blocks for i in infos))
         self._encoder = PromptEncoder(tokenizer, self._info.vocab_size, self._info.max_model_len, pool_tokens)
         kvchat_urls = [u for u in self._replicas.urls if u in answers]
+        self._vllm = [u for u in self._replicas.urls if u in vllm]
         self._kvchat = ReplicaSet(kvchat_urls, self._headers, min(self._timeout_s, 10.0)) if kvchat_urls else None
 
     def _discover(self) -> list[str]:
@@ -333,41 +345,71 @@ class RemoteEngine:
         session: str | None = None,
         from_position: int | None = None,
         reason: str = "invalidated",
-    ) -> InvalidationResult:
+    ) -> ReportedInvalidation:
         body = {"namespace": namespace, "session": session, "from_position": from_position, "reason": reason}
-        results = self._best_effort("/kvchat/invalidate", body, invalidation_from_json)
-        return _summed(results) if results else InvalidationResult(0, 0, 0)
+        return self._freed("/kvchat/invalidate", body)
 
     def invalidate_prefix(
         self, namespace: str, token_ids: Sequence[int], from_position: int, reason: str = "invalidated"
-    ) -> InvalidationResult:
+    ) -> ReportedInvalidation:
         body = {"namespace": namespace, "token_ids": list(token_ids), "from_position": from_position, "reason": reason}
-        results = self._best_effort("/kvchat/invalidate-prefix", body, invalidation_from_json)
-        return _summed(results) if results else InvalidationResult(0, 0, 0)
+        return self._freed("/kvchat/invalidate-prefix", body)
 
-    def flush_namespace(self, namespace: str, reason: str = "flushed") -> InvalidationResult:
-        results = self._best_effort("/kvchat/flush", {"namespace": namespace, "reason": reason}, invalidation_from_json)
-        return _summed(results) if results else InvalidationResult(0, 0, 0)
+    def flush_namespace(self, namespace: str, reason: str = "flushed") -> ReportedInvalidation:
+        return self._freed("/kvchat/flush", {"namespace": namespace, "reason": reason})
 
     def release_session(self, session: str) -> int:
         return sum(self._best_effort("/kvchat/sessions/release", {"session": session}, _int("blocks_freed")))
 
-    def erase_session(self, session: str, namespace: str) -> ErasureResult:
-        if self._kvchat is None:
-            return ErasureResult(0, 0)
+    def erase_session(self, session: str, namespace: str) -> ReportedErasure:
+        """Erase on every kvchat replica; the report names each replica where nothing was erased (a vLLM one, which
+        has no per-session erase, or one that failed: the others are erased all the same)."""
         body = {"session": session, "namespace": namespace}
-        return _summed(self._kvchat.everywhere("POST", "/kvchat/sessions/erase", body, erasure_from_json))
+        answers, failed = self._each("POST", "/kvchat/sessions/erase", body, erasure_from_json)
+        for url, exc in failed:
+            log.warning("erasing session %s on %s failed: %s", session, url, exc)
+        total = _summed(answers) if answers else ErasureResult(0, 0)
+        report = self._report(failed, "vLLM has no per-session erase")
+        return ReportedErasure(total.memory_blocks, total.disk_blocks, report)
+
+    def reset_prefix_caches(self, replicas: Sequence[str]) -> ReplicaReport:
+        """Reset the whole prefix cache of each of ``replicas`` (vLLM's ``POST /reset_prefix_cache``): the coarse
+        erase, which takes every session's cached prefixes on that replica with it.
+
+        NOTE: vLLM serves the route only in its dev mode (``VLLM_SERVER_DEV_MODE=1``): a 404 is ``UNSUPPORTED``.
+        ``reset_running_requests`` preempts the requests running there (they are recomputed, not dropped) so the
+        reset cannot be refused for blocks in use; a vLLM that predates the parameter ignores it, and its 200 does
+        not say whether the reset happened (vLLM's API server does not check).
+        """
+        results = []
+        for url in replicas:
+            try:
+                status = self._replicas.status(url, "POST", VLLM_RESET)
+            except EngineError as exc:
+                results.append(ReplicaResult(url, ReplicaOutcome.FAILED, str(exc)))
+                continue
+            if status == 200:
+                result = ReplicaResult(url, ReplicaOutcome.CACHE_RESET, "its whole prefix cache, every session's")
+            elif status == 404:
+                detail = "no /reset_prefix_cache: vLLM serves it with VLLM_SERVER_DEV_MODE=1"
+                result = ReplicaResult(url, ReplicaOutcome.UNSUPPORTED, detail)
+            else:
+                result = ReplicaResult(url, ReplicaOutcome.FAILED, f"/reset_prefix_cache answered {status}")
+            results.append(result)
+        return ReplicaReport(tuple(results))
 
     def session_footprint(self, session: str) -> CacheFootprint:
         results = self._best_effort("/kvchat/sessions/footprint", {"session": session}, footprint_from_json)
         return _summed(results) if results else CacheFootprint(0, 0)
 
-    def pin_prefix(self, namespace: str, token_ids: Sequence[int]) -> PinResult:
+    def pin_prefix(self, namespace: str, token_ids: Sequence[int]) -> ReportedPin:
+        report = self._report([], "vLLM has no pinning")
         if self._kvchat is None:
-            return PinResult(0, 0, 0)
+            return ReportedPin(0, 0, 0, report)
         body = {"namespace": namespace, "token_ids": list(token_ids)}
         results = self._kvchat.everywhere("POST", "/kvchat/pin", body, pin_from_json)
-        return dataclasses.replace(results[0], cached=min(r.cached for r in results))
+        first = results[0]
+        return ReportedPin(first.blocks, first.tokens, min(r.cached for r in results), report)
 
     def unpin(self, namespace: str) -> int:
         if self._kvchat is None:
@@ -408,6 +450,37 @@ class RemoteEngine:
 
     def _best_effort(self, path: str, body: dict[str, Any], decode: Any) -> list[Any]:
         return [] if self._kvchat is None else self._kvchat.best_effort("POST", path, body, decode)
+
+    def _freed(self, path: str, body: dict[str, Any]) -> ReportedInvalidation:
+        """An invalidate or a flush: the sum over the kvchat replicas that answered (``EngineUnreachable`` when none
+        did), with the report naming the others and the vLLM replicas (which have no such action)."""
+        answers, failed = self._each("POST", path, body, invalidation_from_json)
+        for url, exc in failed:
+            log.warning("%s on %s skipped: %s", path, url, exc)
+        if failed and not answers:
+            raise failed[0][1]
+        total = _summed(answers) if answers else InvalidationResult(0, 0, 0)
+        report = self._report(failed, "vLLM has no per-session or per-namespace cache control")
+        return ReportedInvalidation(total.blocks_freed, total.tokens_freed, total.deferred, report)
+
+    def _each(
+        self, method: str, path: str, body: dict[str, Any], decode: Callable[[Any], T]
+    ) -> tuple[list[T], list[tuple[str, EngineError]]]:
+        return ([], []) if self._kvchat is None else self._kvchat.each(method, path, body, decode)
+
+    def _report(self, failed: Sequence[tuple[str, EngineError]], unsupported: str) -> ReplicaReport:
+        """Every replica's outcome: a vLLM one ``UNSUPPORTED`` (``unsupported`` says why), a failed one ``FAILED``,
+        the rest ``DONE``."""
+        failures = dict(failed)
+        results = []
+        for url in self._replicas.urls:
+            if url in self._vllm:
+                results.append(ReplicaResult(url, ReplicaOutcome.UNSUPPORTED, unsupported))
+            elif url in failures:
+                results.append(ReplicaResult(url, ReplicaOutcome.FAILED, str(failures[url])))
+            else:
+                results.append(ReplicaResult(url, ReplicaOutcome.DONE))
+        return ReplicaReport(tuple(results))
 
 
 def _refusal(status: int, body: bytes, where: str) -> Exception:

@@ -8,10 +8,13 @@ a broadcast reaches both. A replica that holds nothing of the session answers ze
 
 What a replica that cannot be reached means, per action:
 
-- ``invalidate``, ``flush``, ``release``: logged and skipped. They free memory; a stale block left on an unreachable
+- ``invalidate``, ``flush``, ``release``: logged and skipped (``EngineUnreachable`` if none answered); invalidate
+  and flush name it in their result (``replica_report.py``). They free memory; a stale block left on an unreachable
   replica never changes an answer (a hit needs the exact tokens), and a restarted replica's memory tier is empty.
-- ``erase``: ``EngineUnreachable`` after the others were erased: an erasure that may be partial must not look done.
-- everything else (stats, footprint, pin, settings): the replicas that answered (``EngineUnreachable`` if none did).
+- ``erase``: the others are erased, and the result names the replica that failed (``replica_report.py``): an
+  erasure that may be partial must not look done.
+- pin and the cache settings: ``EngineUnreachable`` (every replica must hold the same pin and settings).
+- stats and footprint: the replicas that answered (``EngineUnreachable`` if none did).
 """
 
 from __future__ import annotations
@@ -43,19 +46,27 @@ class ReplicaSet:
 
     def call(self, url: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         """One replica's JSON answer; else ``EngineUnreachable``, its engine error, or ``EngineProtocolError``."""
+        response = self._request(url, method, path, body)
         where = f"the engine replica {url}"
-        try:
-            response = self._http.request(method, url + path, json=body)
-        except httpx.TimeoutException as exc:
-            raise EngineUnreachable(f"{where} did not answer {path} in time ({type(exc).__name__})") from None
-        except httpx.HTTPError as exc:
-            raise EngineUnreachable(f"{where} cannot be reached: {exc or type(exc).__name__}") from None
         if response.status_code >= 400:
             raise error_of_response(response.status_code, response.content, where)
         try:
             return response.json()
         except ValueError:
             raise EngineProtocolError(f"{where} answered {path} with something that is not JSON") from None
+
+    def status(self, url: str, method: str, path: str) -> int:
+        """One replica's HTTP status for a call whose answer has no body to read (``EngineUnreachable`` if none)."""
+        return self._request(url, method, path, None).status_code
+
+    def _request(self, url: str, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
+        where = f"the engine replica {url}"
+        try:
+            return self._http.request(method, url + path, json=body)
+        except httpx.TimeoutException as exc:
+            raise EngineUnreachable(f"{where} did not answer {path} in time ({type(exc).__name__})") from None
+        except httpx.HTTPError as exc:
+            raise EngineUnreachable(f"{where} cannot be reached: {exc or type(exc).__name__}") from None
 
     def each(
         self, method: str, path: str, body: dict[str, Any] | None, decode: Callable[[Any], T]

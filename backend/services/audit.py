@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from backend.db.models import AdminAudit
 
 OK = "ok"
+INCOMPLETE = "incomplete"  # done in part: e.g. an erasure that an engine replica could not do (the detail names it)
 UNEXPECTED = "internal_error"
 
 
@@ -24,7 +25,7 @@ class AuditEntry:
     actor: str  # the admin key's display prefix, or "operator"
     action: str  # e.g. "session.flush"
     target: str | None  # the path's ids (a session, a rule, a key), None for the tenant itself
-    result: str  # OK, or the error's stable code
+    result: str  # OK, INCOMPLETE, or the error's stable code
     detail: str | None = None  # what the action did, when its route says (e.g. the blocks an erasure removed)
 
 

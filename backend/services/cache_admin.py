@@ -19,6 +19,11 @@ Decisions:
   reason (``unpin`` is per namespace).
 - **Pinning** pins the token ids of part 1 as the builder renders it (``prefix_token_ids``), again after every edit
   of part 1, and at every start for the tenants that have ``pin_prefix`` on.
+- **Replicas that cannot do it are named.** With engine replicas, a flush, an erasure or a pin reports each replica
+  where nothing was done (a vLLM one, or one that failed: ``backend/engine_client/replica_report.py``); the routes
+  answer 207 and the audit row names them. A vLLM replica has one coarser erase, the reset of its whole prefix
+  cache: the tenant's ``replica_erase`` chooses it (every session on that replica loses its cached prefixes) or the
+  report (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from backend.context.builder import PREFIX_TYPES, prefix_prompt
 from backend.core.errors import InvalidCacheSettingsError, NamespaceSharedError, PinRefusedError, TenantNotFoundError
 from backend.core.namespaces import CacheScope, Namespaces
 from backend.db.models import Tenant
-from backend.domain import InvalidationReason
+from backend.domain import InvalidationReason, ReplicaErase
 from backend.engine_client.protocol import EngineClient
+from backend.engine_client.replica_report import PrefixCacheReset, ReplicaOutcome, ReportedErasure, report_of
 from backend.engine_client.values import ErasureResult, InvalidationResult, InvalidRequestError, PinResult
 from backend.services import context_store
 from backend.services import sessions as store
@@ -48,6 +54,7 @@ ADMIN_ACTOR = "admin"
 class TenantCacheChange:
     cache_scope: CacheScope
     pin_prefix: bool
+    replica_erase: ReplicaErase = ReplicaErase.REPORT
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +64,7 @@ class TenantCache:
     cache_scope: CacheScope
     pin_prefix: bool
     pinned: PinResult | None
+    replica_erase: ReplicaErase = ReplicaErase.REPORT
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +76,14 @@ class PrefixEdit:
     pinned: PinResult | None
 
     def describe(self) -> str:
-        freed = "namespace shared: nothing flushed" if self.freed is None else f"freed {self.freed.blocks_freed} blocks"
-        return freed if self.pinned is None else f"{freed}; pinned {self.pinned.blocks} blocks"
+        """For the edit's audit row; with engine replicas, also those where nothing was flushed or pinned."""
+        if self.freed is None:
+            parts = ["namespace shared: nothing flushed"]
+        else:
+            parts = [f"freed {self.freed.blocks_freed} blocks", report_of(self.freed).describe("flushed")]
+        if self.pinned is not None:
+            parts += [f"pinned {self.pinned.blocks} blocks", report_of(self.pinned).describe("pinned")]
+        return "; ".join(p for p in parts if p)
 
 
 def namespace_of(namespaces: Namespaces, tenant: Tenant) -> str:
@@ -113,8 +127,36 @@ async def flush_tenant(
 
 
 def describe_flush(result: InvalidationResult, scope: str) -> str:
-    """What a flush freed, for its audit row: ``freed 3 blocks (48 tokens) of the session``."""
-    return f"freed {result.blocks_freed} blocks ({result.tokens_freed} tokens) of {scope}"
+    """What a flush freed, for its audit row: ``freed 3 blocks (48 tokens) of the session``, then the replicas where
+    nothing was flushed (``; not flushed on http://r2 (unsupported: ...)``)."""
+    freed = f"freed {result.blocks_freed} blocks ({result.tokens_freed} tokens) of {scope}"
+    gaps = report_of(result).describe("flushed")
+    return f"{freed}; {gaps}" if gaps else freed
+
+
+async def erase_coarsely(engine: EngineClient, choice: ReplicaErase, erased: ErasureResult) -> ErasureResult:
+    """Where the tenant chose ``reset_cache``, reset the whole prefix cache of each replica that has no per-session
+    erase (``erased`` names them); the result reports what each reset did. Otherwise ``erased`` as it is."""
+    report = report_of(erased)
+    unsupported = report.with_outcome(ReplicaOutcome.UNSUPPORTED)
+    if choice is not ReplicaErase.RESET_CACHE or not unsupported or not isinstance(engine, PrefixCacheReset):
+        return erased
+    reset = await asyncio.to_thread(engine.reset_prefix_caches, unsupported)
+    for result in reset.results:
+        log.warning("erasure: the whole prefix cache of %s: %s", result.replica, result.outcome.value)
+    return ReportedErasure(erased.memory_blocks, erased.disk_blocks, report.replaced(reset))
+
+
+def describe_erasure(erased: ErasureResult) -> str:
+    """What an erasure removed, for its audit row: the blocks by tier, the replicas whose whole prefix cache was reset,
+    and the replicas where nothing was erased."""
+    report = report_of(erased)
+    parts = [f"erased {erased.memory_blocks} memory and {erased.disk_blocks} disk blocks"]
+    if reset := report.with_outcome(ReplicaOutcome.CACHE_RESET):
+        parts.append("reset the whole prefix cache of " + ", ".join(reset))
+    if not report.complete:
+        parts.append(report.describe("erased"))
+    return "; ".join(parts)
 
 
 async def record_erasure(db: AsyncSession, tenant_id: str, erasure: ErasureResult, block_size: int) -> None:
@@ -186,13 +228,14 @@ async def set_tenant_cache(
     if was_pinned and not change.pin_prefix:
         engine.unpin(old_namespace)
     tenant.pin_prefix = change.pin_prefix
+    tenant.replica_erase = change.replica_erase.value
     await db.commit()
-    return TenantCache(change.cache_scope, change.pin_prefix, pinned)
+    return TenantCache(change.cache_scope, change.pin_prefix, pinned, change.replica_erase)
 
 
 async def tenant_cache(db: AsyncSession, tenant_id: str) -> TenantCache:
     tenant = await _tenant(db, tenant_id)
-    return TenantCache(CacheScope(tenant.cache_scope), tenant.pin_prefix, None)
+    return TenantCache(CacheScope(tenant.cache_scope), tenant.pin_prefix, None, ReplicaErase(tenant.replica_erase))
 
 
 async def pin_at_start(

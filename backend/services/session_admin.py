@@ -18,8 +18,8 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from backend.context.blocks import Block
-from backend.db.models import ChatSession, InvalidationEvent, Message, TopicHistory
-from backend.domain import InvalidationReason, SessionStatus
+from backend.db.models import ChatSession, InvalidationEvent, Message, Tenant, TopicHistory
+from backend.domain import InvalidationReason, ReplicaErase, SessionStatus
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import CacheFootprint, ErasureResult, InvalidationResult
 from backend.services import cache_admin, context_store
@@ -161,14 +161,20 @@ async def set_status(
     return session
 
 
-async def delete_session(db: AsyncSession, chat: LiveChat, tenant_id: str, session_id: str) -> ErasureResult:
+async def delete_session(
+    db: AsyncSession, chat: LiveChat, engine: EngineClient, tenant: Tenant, session_id: str
+) -> ErasureResult:
     """Erase the session: stop its reply in flight, delete its rows (messages cascade), remove its cached KV from
-    every tier of the engine (an ``invalidation_events`` row, without the session, keeps the count)."""
+    every tier of the engine (an ``invalidation_events`` row, without the session, keeps the count). On an engine
+    replica without a per-session erase (vLLM), the tenant's ``replica_erase`` resets that replica's whole prefix
+    cache or leaves the gap in the result's replica report (``cache_admin.erase_coarsely``); the rows go either way."""
+    tenant_id = tenant.id
     await store.get_session(db, tenant_id, session_id)
     namespace = await chat.context.namespace_of(db, tenant_id)
     chat.cancel(session_id, None)
     await store.delete_session(db, tenant_id, session_id)
     erased = await chat.erase_cache(session_id, namespace)
+    erased = await cache_admin.erase_coarsely(engine, ReplicaErase(tenant.replica_erase), erased)
     await cache_admin.record_erasure(db, tenant_id, erased, chat.block_size)
     return erased
 

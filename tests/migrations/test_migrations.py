@@ -1,5 +1,5 @@
-"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002 and 0004-0009 up and
-down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change, write a
+"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002, 0004-0010 and
+0013 up and down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change, write a
 migration)."""
 
 from __future__ import annotations
@@ -350,3 +350,72 @@ def test_postgres_reply_settings_and_tools_revision_up_and_down(pg_empty_url: st
 
 def test_sqlite_reply_settings_and_tools_revision_up_and_down(tmp_path: Path) -> None:
     _reply_settings_and_tools_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+
+
+def _replica_erase_up_and_down(url: str) -> None:
+    """0010 → 0013 adds ``tenants.replica_erase``, ``report`` on the stored tenants; back to 0010 it goes, the tenants
+    stay."""
+    migrate.upgrade(url, "0010")
+    asyncio.run(
+        _execute(
+            url, "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', '', '2026-01-01')"
+        )
+    )
+    migrate.upgrade(url, "0013")
+    assert asyncio.run(_execute(url, "SELECT name, replica_erase FROM tenants")) == [("acme", "report")]
+    asyncio.run(_execute(url, "UPDATE tenants SET replica_erase = 'reset_cache'"))
+    migrate.downgrade(url, "0010")
+    assert asyncio.run(_execute(url, "SELECT name FROM tenants")) == [("acme",)]
+    assert "replica_erase" not in asyncio.run(_tenant_columns(url))
+
+
+def _handbook_up_and_down(url: str) -> None:
+    """0009 → 0010 adds ``handbook_sections``, ``tenants.handbook_version`` (0 on the stored tenants) and
+    ``topic_history.sections``; back to 0009 they go, the tenants stay."""
+    migrate.upgrade(url, "0009")
+    asyncio.run(
+        _execute(
+            url, "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', '', '2026-01-01')"
+        )
+    )
+    migrate.upgrade(url, "0010")
+    assert asyncio.run(_execute(url, "SELECT name, handbook_version FROM tenants")) == [("acme", 0)]
+    asyncio.run(
+        _execute(
+            url,
+            "INSERT INTO handbook_sections (tenant_id, position, title, text, content_hash, version) "
+            "VALUES ('t1', 0, 'Returns', 'Within 30 days.', 'h', 1)",
+        )
+    )
+    assert asyncio.run(_execute(url, "SELECT title, examples FROM handbook_sections")) == [("Returns", "[]")]
+    migrate.downgrade(url, "0009")
+    assert asyncio.run(_execute(url, "SELECT name FROM tenants")) == [("acme",)]
+    assert "handbook_version" not in asyncio.run(_tenant_columns(url))
+    assert "handbook_sections" not in asyncio.run(_tables(url))
+
+
+def test_postgres_handbook_revision_up_and_down(pg_empty_url: str) -> None:
+    _handbook_up_and_down(pg_empty_url)
+
+
+def test_sqlite_handbook_revision_up_and_down(tmp_path: Path) -> None:
+    _handbook_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+
+
+async def _tenant_columns(url: str) -> set[str]:
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            columns = await conn.run_sync(lambda c: inspect(c).get_columns("tenants"))
+    finally:
+        await engine.dispose()
+    return {c["name"] for c in columns}
+
+
+@pytest.mark.postgres
+def test_postgres_replica_erase_revision_up_and_down(pg_empty_url: str) -> None:
+    _replica_erase_up_and_down(pg_empty_url)
+
+
+def test_sqlite_replica_erase_revision_up_and_down(tmp_path: Path) -> None:
+    _replica_erase_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")

@@ -47,7 +47,7 @@ class LiveServer:
         return self.server.config.app.state.kvchat  # type: ignore[union-attr]
 
 
-def start_server(settings: Settings, engine: LLMEngine) -> LiveServer:
+def start_server(settings: Settings, engine: LLMEngine | None) -> LiveServer:
     app = create_app(settings, engine=engine)
     config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning", ws="websockets-sansio")
     server = uvicorn.Server(config)
@@ -67,7 +67,7 @@ def stop_server(live: LiveServer) -> None:
 
 
 @contextmanager
-def serving(settings: Settings, engine: LLMEngine) -> Iterator[LiveServer]:
+def serving(settings: Settings, engine: LLMEngine | None) -> Iterator[LiveServer]:
     """A started server for the ``with`` block, stopped afterwards."""
     live = start_server(settings, engine)
     try:

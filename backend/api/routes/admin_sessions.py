@@ -9,9 +9,9 @@ that does not exist.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
@@ -22,8 +22,9 @@ from backend.context.blocks import Block
 from backend.core.limits import ExternalRef, QueryOffset, SafeText, SessionId
 from backend.db.models import ChatSession, InvalidationEvent, TopicHistory
 from backend.domain import SessionStatus
+from backend.engine_client.replica_report import ReplicaOutcome, ReplicaReport, report_of
 from backend.engine_client.values import InvalidationResult
-from backend.services import cache_admin, context_store, session_admin
+from backend.services import audit, cache_admin, context_store, session_admin
 from backend.services.session_admin import SessionDetail, SessionQuery, SessionSummary
 
 router = APIRouter(prefix="/admin/sessions", tags=["admin: sessions"])
@@ -70,7 +71,52 @@ class PinnedContextIn(BaseModel):
     pinned_context: Annotated[SafeText, Field(max_length=8000)]
 
 
-class PinnedContextOut(BaseModel):
+class ReplicaOut(BaseModel):
+    """What one engine replica did with the action (engine replicas only: docs/scale-out.md)."""
+
+    replica: str = Field(description="the replica's URL")
+    outcome: ReplicaOutcome = Field(
+        description="done; cache_reset (its whole prefix cache was reset instead: every session on it lost its "
+        "cached prefixes); unsupported (it has no such action, e.g. vLLM: nothing was done there); failed (it could "
+        "not be reached or answered an error: what it did is unknown)"
+    )
+    detail: str
+
+    @classmethod
+    def all_of(cls, report: ReplicaReport) -> list[ReplicaOut]:
+        return [cls(replica=r.replica, outcome=r.outcome, detail=r.detail) for r in report.results]
+
+
+class ReplicaActionOut(BaseModel):
+    complete: bool = Field(
+        description="false: some replica did not do it (listed in replicas; the answer is then a 207)"
+    )
+    replicas: list[ReplicaOut] = Field(description="each engine replica's outcome; empty with the in-process engine")
+
+
+class ErasureOut(ReplicaActionOut):
+    """What a session's erasure removed from the engine's cache, by tier, and on which replicas it was not done."""
+
+    memory_blocks: int = Field(description="blocks freed from memory (or when the reply holding them ends)")
+    disk_blocks: int = Field(description="blocks removed from the disk tier")
+
+
+class FlushOut(ReplicaActionOut):
+    blocks_freed: int  # cached blocks freed now
+    tokens_freed: int
+
+    @classmethod
+    def of(cls, r: InvalidationResult) -> FlushOut:
+        report = report_of(r)
+        return cls(
+            blocks_freed=r.blocks_freed,
+            tokens_freed=r.tokens_freed,
+            complete=report.complete,
+            replicas=ReplicaOut.all_of(report),
+        )
+
+
+class PinnedContextOut(ReplicaActionOut):
     session: SessionOut
     pinned_context: str
     blocks_freed: int  # cached blocks freed because they depended on the old pinned context
@@ -78,20 +124,18 @@ class PinnedContextOut(BaseModel):
     deferred: int  # blocks a reply in flight holds: freed when it ends
 
 
-class ErasureOut(BaseModel):
-    """What a session's erasure removed from the engine's cache, by tier."""
-
-    memory_blocks: int = Field(description="blocks freed from memory (or when the reply holding them ends)")
-    disk_blocks: int = Field(description="blocks removed from the disk tier")
+PARTIAL: dict[int | str, dict[str, Any]] = {
+    207: {"description": "done in part: some engine replica did not do it (the body's replicas say which)"}
+}
 
 
-class FlushOut(BaseModel):
-    blocks_freed: int  # cached blocks freed now
-    tokens_freed: int
-
-    @classmethod
-    def of(cls, r: InvalidationResult) -> FlushOut:
-        return cls(blocks_freed=r.blocks_freed, tokens_freed=r.tokens_freed)
+def answer_partial(request: Request, response: Response, report: ReplicaReport, detail: str) -> None:
+    """An action some replica did not do answers 207, and its audit row is ``incomplete`` with ``detail``."""
+    if report.complete:
+        audit_note(request, detail)
+        return
+    response.status_code = 207
+    audit_note(request, detail, audit.INCOMPLETE)
 
 
 class BlockRef(BaseModel):
@@ -246,13 +290,13 @@ async def session_detail(session_id: SessionIdPath, tenant: AdminDep, db: DbDep,
     return SessionDetailOut.of(await session_admin.detail(db, state.engine, tenant.id, session_id))
 
 
-@router.post("/{session_id}/flush", response_model=FlushOut, dependencies=[audited("session.flush")])
+@router.post("/{session_id}/flush", response_model=FlushOut, dependencies=[audited("session.flush")], responses=PARTIAL)
 async def flush_session(
-    session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep, request: Request
+    session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep, request: Request, response: Response
 ) -> FlushOut:
     """Free the session's cached KV blocks (what other sessions share stays); the session stays open."""
     freed = await cache_admin.flush_session(db, state.engine, state.namespaces, tenant, session_id)
-    audit_note(request, cache_admin.describe_flush(freed, "the session"))
+    answer_partial(request, response, report_of(freed), cache_admin.describe_flush(freed, "the session"))
     return FlushOut.of(freed)
 
 
@@ -264,31 +308,51 @@ async def change_status(
     return SessionOut.of(await session_admin.set_status(db, state.chat, tenant.id, session_id, body.status))
 
 
-@router.put("/{session_id}/context", response_model=PinnedContextOut, dependencies=[audited("session.context")])
+@router.put(
+    "/{session_id}/context",
+    response_model=PinnedContextOut,
+    dependencies=[audited("session.context")],
+    responses=PARTIAL,
+)
 async def set_pinned_context(
-    session_id: SessionIdPath, body: PinnedContextIn, tenant: AdminDep, db: DbDep, state: StateDep
+    session_id: SessionIdPath,
+    body: PinnedContextIn,
+    tenant: AdminDep,
+    db: DbDep,
+    state: StateDep,
+    request: Request,
+    response: Response,
 ) -> PinnedContextOut:
     """Replace the session's pinned context (customer facts); the cached context that depended on it is freed."""
     edit = await session_admin.set_pinned_context(db, state.chat, tenant.id, session_id, body.pinned_context)
-    freed = edit.freed
+    freed, report = edit.freed, report_of(edit.freed)
+    answer_partial(request, response, report, cache_admin.describe_flush(freed, "the session's context"))
     return PinnedContextOut(
         session=SessionOut.of(edit.session),
         pinned_context=edit.session.pinned_context,
         blocks_freed=freed.blocks_freed,
         tokens_freed=freed.tokens_freed,
         deferred=freed.deferred,
+        complete=report.complete,
+        replicas=ReplicaOut.all_of(report),
     )
 
 
-@router.delete("/{session_id}", response_model=ErasureOut, dependencies=[audited("session.delete")])
+@router.delete("/{session_id}", response_model=ErasureOut, dependencies=[audited("session.delete")], responses=PARTIAL)
 async def delete_session(
-    session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep, request: Request
+    session_id: SessionIdPath, tenant: AdminDep, db: DbDep, state: StateDep, request: Request, response: Response
 ) -> ErasureOut:
-    """Erase the session: its messages, blocks and history, and its cached KV on every tier (memory and disk)."""
-    erased = await session_admin.delete_session(db, state.chat, tenant.id, session_id)
-    out = ErasureOut(memory_blocks=erased.memory_blocks, disk_blocks=erased.disk_blocks)
-    audit_note(request, f"erased {out.memory_blocks} memory and {out.disk_blocks} disk blocks")
-    return out
+    """Erase the session: its messages, blocks and history, and its cached KV on every tier (memory and disk) of
+    every engine replica. A 207 names the replicas where its KV may remain (the rows are gone all the same)."""
+    erased = await session_admin.delete_session(db, state.chat, state.engine, tenant, session_id)
+    report = report_of(erased)
+    answer_partial(request, response, report, cache_admin.describe_erasure(erased))
+    return ErasureOut(
+        memory_blocks=erased.memory_blocks,
+        disk_blocks=erased.disk_blocks,
+        complete=report.complete,
+        replicas=ReplicaOut.all_of(report),
+    )
 
 
 @router.get("/{session_id}/transcript", response_model=None)

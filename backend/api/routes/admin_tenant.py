@@ -8,15 +8,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import AdminDep, DbDep, StateDep, audit_note, audited
-from backend.api.routes.admin_sessions import FlushOut
+from backend.api.routes.admin_sessions import PARTIAL, FlushOut, ReplicaOut, answer_partial
 from backend.core.limits import SafeText
 from backend.core.namespaces import CacheScope
 from backend.db.models import ApiKey, Tenant
-from backend.domain import HistoryPolicy, KeyKind
+from backend.domain import HistoryPolicy, KeyKind, ReplicaErase
+from backend.engine_client.replica_report import ReplicaReport, report_of
 from backend.services import cache_admin, tenant_admin, tenants
 from backend.services.cache_admin import PrefixEdit, TenantCache, TenantCacheChange
 from backend.services.context_store import ContextSettings
@@ -72,14 +73,24 @@ class TenantCacheIO(BaseModel):
         description="keep the system prompt + policy text pinned in memory (needs cache_scope private; bounded by "
         "the operator's pinned share)"
     )
+    replica_erase: ReplicaErase = Field(
+        default=ReplicaErase.REPORT,
+        description="erasing a session on an engine replica that has no per-session erase (vLLM): report (nothing "
+        "is erased there; the erasure names the replica and answers 207) or reset_cache (that replica's whole "
+        "prefix cache is reset: every session on it loses its cached prefixes). Omitted: report",
+    )
 
     def change(self) -> TenantCacheChange:
-        return TenantCacheChange(self.cache_scope, self.pin_prefix)
+        return TenantCacheChange(self.cache_scope, self.pin_prefix, self.replica_erase)
 
 
 class TenantCacheOut(TenantCacheIO):
     pinned_blocks: int | None = Field(description="blocks this request pinned (None: nothing pinned by it)")
     pinned_cached: int | None = Field(description="of those, cached now; the rest are pinned once computed")
+    pinned_replicas: list[ReplicaOut] = Field(
+        description="each engine replica's outcome of this request's pin (a 207 when one did not pin); empty when "
+        "nothing was pinned, or with the in-process engine"
+    )
 
     @classmethod
     def of(cls, c: TenantCache) -> TenantCacheOut:
@@ -87,8 +98,10 @@ class TenantCacheOut(TenantCacheIO):
         return cls(
             cache_scope=c.cache_scope,
             pin_prefix=c.pin_prefix,
+            replica_erase=c.replica_erase,
             pinned_blocks=p.blocks if p else None,
             pinned_cached=p.cached if p else None,
+            pinned_replicas=ReplicaOut.all_of(report_of(p)) if p else [],
         )
 
 
@@ -197,13 +210,22 @@ async def get_tenant_cache(tenant: AdminDep, db: DbDep) -> TenantCacheOut:
     "/cache",
     response_model=TenantCacheOut,
     dependencies=[audited("tenant.cache")],
-    responses={409: {"description": "pin_refused: the prefix is over the operator's pinned share"}},
+    responses={409: {"description": "pin_refused: the prefix is over the operator's pinned share"}, **PARTIAL},
 )
-async def set_tenant_cache(body: TenantCacheIO, tenant: AdminDep, db: DbDep, state: StateDep) -> TenantCacheOut:
-    """Choose the tenant's cache namespace (private, or the shared public one) and whether its prefix is pinned."""
-    return TenantCacheOut.of(
-        await cache_admin.set_tenant_cache(db, state.engine, state.namespaces, tenant.id, body.change())
-    )
+async def set_tenant_cache(
+    body: TenantCacheIO, tenant: AdminDep, db: DbDep, state: StateDep, request: Request, response: Response
+) -> TenantCacheOut:
+    """Choose the tenant's cache namespace (private, or the shared public one), whether its prefix is pinned, and
+    how a session is erased on a replica without a per-session erase."""
+    cache = await cache_admin.set_tenant_cache(db, state.engine, state.namespaces, tenant.id, body.change())
+    if cache.pinned is not None:
+        report = report_of(cache.pinned)
+        answer_partial(request, response, report, f"pinned {cache.pinned.blocks} blocks" + _gaps(report, "pinned"))
+    return TenantCacheOut.of(cache)
+
+
+def _gaps(report: ReplicaReport, what: str) -> str:
+    return f"; {report.describe(what)}" if not report.complete else ""
 
 
 @router.get("/keys", response_model=list[KeyOut])
@@ -244,10 +266,11 @@ async def set_context_settings(body: ContextSettingsIO, tenant: AdminDep, db: Db
     "/flush",
     response_model=FlushOut,
     dependencies=[audited("tenant.flush")],
-    responses={409: {"description": "namespace_shared: the tenant uses the public namespace"}},
+    responses={409: {"description": "namespace_shared: the tenant uses the public namespace"}, **PARTIAL},
 )
-async def flush_tenant(tenant: AdminDep, db: DbDep, state: StateDep, request: Request) -> FlushOut:
+async def flush_tenant(tenant: AdminDep, db: DbDep, state: StateDep, request: Request, response: Response) -> FlushOut:
     """Free every cached KV block of the tenant (blocks a reply in flight holds go when it ends)."""
     freed = await cache_admin.flush_tenant(db, state.engine, state.namespaces, tenant)
-    audit_note(request, cache_admin.describe_flush(freed, "the tenant's whole namespace"))
+    describe = cache_admin.describe_flush(freed, "the tenant's whole namespace")
+    answer_partial(request, response, report_of(freed), describe)
     return FlushOut.of(freed)

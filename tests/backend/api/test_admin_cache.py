@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
 TIMEOUT = 60
 A = {"X-API-Key": ADMIN_KEY}
+IN_PROCESS = {"complete": True, "replicas": []}  # the in-process engine: no replica to name
 PARCEL = "My parcel is late. Order #4061234567 was due on Monday, where is it?"
 KETTLE = "Another thing: the kettle from order #5550001111 broke. Can I return it?"
 
@@ -97,9 +98,13 @@ async def test_flushing_a_session_frees_its_own_blocks_and_keeps_the_shared_pref
         flushed = await http.post(f"/admin/sessions/{s1}/flush", headers=A)
         assert flushed.status_code == 200, flushed.text
         # position 0 takes the whole chain, save the blocks session 2's chain lists (the shared system prompt)
-        assert flushed.json() == {"blocks_freed": chain1 - shared, "tokens_freed": (chain1 - shared) * block}
+        assert flushed.json() == {
+            **IN_PROCESS,
+            "blocks_freed": chain1 - shared,
+            "tokens_freed": (chain1 - shared) * block,
+        }
         again = await http.post(f"/admin/sessions/{s1}/flush", headers=A)
-        assert again.json() == {"blocks_freed": 0, "tokens_freed": 0}
+        assert again.json() == {**IN_PROCESS, "blocks_freed": 0, "tokens_freed": 0}
 
         d1 = (await http.get(f"/admin/sessions/{s1}/detail", headers=A)).json()
         d2 = (await http.get(f"/admin/sessions/{s2}/detail", headers=A)).json()
@@ -173,8 +178,12 @@ async def test_flushing_a_tenant_frees_its_cache_and_not_another_tenants(
         cached_after = tiny_engine.stats().kv.num_cached_blocks
         assert freed == cached_before - cached_after
         assert freed >= chain_blocks(t1["usage"]["prompt_tokens"], t1["usage"]["completion_tokens"], block)
-        assert flushed.json() == {"blocks_freed": freed, "tokens_freed": freed * block}
-        assert (await http.post("/admin/tenant/flush", headers=A)).json() == {"blocks_freed": 0, "tokens_freed": 0}
+        assert flushed.json() == {**IN_PROCESS, "blocks_freed": freed, "tokens_freed": freed * block}
+        assert (await http.post("/admin/tenant/flush", headers=A)).json() == {
+            **IN_PROCESS,
+            "blocks_freed": 0,
+            "tokens_freed": 0,
+        }
         audit = (await http.get("/admin/audit", headers=A)).json()
         assert [(r["action"], r["detail"]) for r in audit[:2]] == [
             ("tenant.flush", "freed 0 blocks (0 tokens) of the tenant's whole namespace"),

@@ -211,8 +211,10 @@ async def test_tenants_share_cached_blocks_only_through_the_public_opt_in(
             assert resp.json() == {
                 "cache_scope": "public",
                 "pin_prefix": False,
+                "replica_erase": "report",  # (omitted: the default)
                 "pinned_blocks": None,
                 "pinned_cached": None,
+                "pinned_replicas": [],
             }
         flush = await http.post("/admin/tenant/flush", headers=b)
         scope = (await http.get("/admin/tenant/cache", headers=b)).json()["cache_scope"]
@@ -300,6 +302,7 @@ async def test_deleting_a_session_erases_its_blocks_and_reports_them_by_tier(
         audit = (await http.get("/admin/audit", headers=A)).json()
     assert deleted.status_code == 200, deleted.text
     erased = deleted.json()
+    assert (erased["complete"], erased["replicas"]) == (True, [])  # the in-process engine: no replica to name
     assert erased["disk_blocks"] == 0  # the test engine has no disk tier
     assert 1 <= erased["memory_blocks"] <= footprint["blocks"]  # its own blocks; the shared system prompt stays
     assert (again.status_code, again.json()["code"]) == (404, "session_not_found")
