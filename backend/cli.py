@@ -1,4 +1,5 @@
-"""The ``kvchat`` command: ``serve``, ``engine-serve``, ``migrate``, ``generate``, ``doctor`` and ``chat``.
+"""The ``kvchat`` command: ``serve``, ``engine-serve``, ``migrate``, ``generate``, ``doctor``, ``chat``, the tenant and
+key commands (``backend/cli_tenants.py``) and ``handbook`` (``backend/cli_handbook.py``).
 
 A start-up problem (a database that is down or not supported, a model that is not there, a bad setting) is one line,
 ``error: ...``, on stderr and a non-zero exit — never a traceback.
@@ -256,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     from backend.cli_tenants import add_commands as add_tenant_commands
 
     add_tenant_commands(sub)
+    from backend.cli_handbook import add_commands as add_handbook_commands
+
+    add_handbook_commands(sub)
     return parser
 
 
