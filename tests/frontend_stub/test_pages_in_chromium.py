@@ -134,6 +134,14 @@ def test_the_close_button_closes_that_session(server: ServerProcess, page: Page)
 
 
 def test_the_drill_down_colours_blocks_and_draws_the_temperature_curve(server: ServerProcess, page: Page) -> None:
+    handbook = "# Shipping and delivery\nLate parcels: give the tracking number.\n# Account and password\nReset it."
+    loaded = httpx.put(
+        f"{server.http}/admin/tenant/handbook",
+        headers={"X-API-Key": ADMIN_KEY},
+        json={"format": "markdown", "content": handbook},
+        timeout=60,
+    )
+    assert loaded.status_code == 200, loaded.text
     session_id = _chat_turn(server, ORDER, PASSWORD)
     history = _admin_get(server, f"/admin/sessions/{session_id}/detail")["temperature_history"]
     assert [(h["seq"], h["shift"], h["epoch"]) for h in history] == [(1, False, 0), (3, True, 1)]
@@ -157,6 +165,7 @@ def test_the_drill_down_colours_blocks_and_draws_the_temperature_curve(server: S
     expect(page.locator("#temp-chart")).to_contain_text("shift")  # the shift series in the curve's legend
     expect(page.locator('#invalidations tr[data-reason="epoch_dropped"]')).to_have_count(1)
     expect(page.locator("#detail-summary")).to_contain_text("epoch 1")
+    expect(page.locator("#detail-summary")).to_contain_text("handbook Account and password")  # the topic's section
     _screenshot(page, "dashboard-drill-down")
 
     page.set_viewport_size({"width": 390, "height": 844})  # a phone: one column, nothing wider than the screen
