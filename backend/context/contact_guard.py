@@ -52,6 +52,7 @@ class ContactGuard:
         self._hosts: set[str] = set()
         self._emails: set[str] = set()
         self._numbers: set[str] = set()
+        self.grounding = grounding
         self._on_block = on_block
         self._text = ""  # the reply so far
         self._done = 0  # characters of it decided (returned, checked)

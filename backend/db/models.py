@@ -57,6 +57,8 @@ class Tenant(Base):
     cache_scope: Mapped[str] = mapped_column(String(16), default="private", server_default="private")
     # Keep the system + policy prefix pinned in the engine's memory tier (backend/services/cache_admin.py).
     pin_prefix: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # /v1 replies pass the contact guard (backend/context/contact_guard.py); chat replies always do.
+    v1_contact_guard: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials
 
 from backend.api.deps import BEARER, StateDep, bearer_token
+from backend.context.grounding import Grounding
 from backend.db.models import Tenant
 from backend.domain import KeyKind
 from backend.openai.errors import OpenAIRoute, unauthorized
@@ -52,4 +53,5 @@ async def chat_completions(
     body: ChatCompletionRequest, tenant: ChatTenantDep, state: StateDep, request: Request
 ) -> ChatCompletion | StreamingResponse:
     namespace = state.namespaces.of(tenant.id, tenant.cache_scope)
-    return await state.completions.create(body, tenant.id, namespace, request.is_disconnected)
+    grounding = Grounding((tenant.system_prompt, tenant.policy_text)) if tenant.v1_contact_guard else None
+    return await state.completions.create(body, tenant.id, namespace, request.is_disconnected, grounding)
