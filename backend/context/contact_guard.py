@@ -21,7 +21,9 @@ sentences like "call us at  or write to ." that read as a fault, and the placeho
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from backend.context.contacts import (
     BOUNDARY,
@@ -42,6 +44,7 @@ PLACEHOLDERS = {
 }
 _PHONE_TAIL = frozenset("0123456789()+ .-")
 COUNTRY_CODE_DIGITS = 3
+SOURCE_CACHE_SIZE = 512  # sources whose contacts are kept (a tenant's prompt and policy, recent sessions' messages)
 
 
 class ContactGuard:
@@ -62,16 +65,11 @@ class ContactGuard:
     def add_sources(self, texts: Iterable[str]) -> None:
         """More sources (a tool's results, read during the turn)."""
         for text in texts:
-            # NOTE: a JSON body may escape "/" as "\/"; the model reads and copies the URL without it.
-            text = text.replace("\\/", "/")
-            for c in find_contacts(text):
-                if c.kind is ContactKind.URL:
-                    self._urls.add(c.normal)
-                    self._hosts.add(url_host(c.normal))
-                elif c.kind is ContactKind.EMAIL:
-                    self._emails.add(c.normal)
-                    self._hosts.add(c.normal.rsplit("@", 1)[1])
-            self._numbers |= source_numbers(text)
+            held = _held_by(text)
+            self._urls |= held.urls
+            self._hosts |= held.hosts
+            self._emails |= held.emails
+            self._numbers |= held.numbers
 
     def allows(self, kind: ContactKind, text: str) -> bool:
         """Whether the sources hold this contact (``text`` as written in the reply)."""
@@ -128,6 +126,33 @@ class ContactGuard:
         if self._on_block is not None:
             self._on_block(c.kind)
         return PLACEHOLDERS[c.kind]
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """The contacts one source holds, in normal form."""
+
+    urls: frozenset[str]
+    hosts: frozenset[str]  # of its URLs and e-mail addresses
+    emails: frozenset[str]
+    numbers: frozenset[str]
+
+
+@functools.lru_cache(maxsize=SOURCE_CACHE_SIZE)
+def _held_by(text: str) -> _Held:
+    """NOTE: cached: a turn's sources are mostly the last turn's (the tenant's prompt and policy, the session's
+    earlier messages); reading 20 kB of them takes ~6 ms, which every turn would otherwise pay on the event loop."""
+    # NOTE: a JSON body may escape "/" as "\/"; the model reads and copies the URL without it.
+    text = text.replace("\\/", "/")
+    urls, hosts, emails = set(), set(), set()
+    for c in find_contacts(text):
+        if c.kind is ContactKind.URL:
+            urls.add(c.normal)
+            hosts.add(url_host(c.normal))
+        elif c.kind is ContactKind.EMAIL:
+            emails.add(c.normal)
+            hosts.add(c.normal.rsplit("@", 1)[1])
+    return _Held(frozenset(urls), frozenset(hosts), frozenset(emails), frozenset(source_numbers(text)))
 
 
 def _same_number(digits: str, written: str, source: str) -> bool:

@@ -157,6 +157,14 @@ class ChatCompletions:
         """Check, render and tokenize, then open the choices' engine requests and read their first events."""
         self._check_model(req.model)
         planned = plan(req, self.tool_family, self.engine.info.vocab_size, self.max_n)
+        if grounding is not None and planned.top_logprobs is not None:
+            # NOTE: the logprobs carry each sampled token's text: they would show what the guard leaves out.
+            raise OpenAIError(
+                400,
+                "logprobs are not available while the tenant's contact guard is on",
+                "invalid_request",
+                param="logprobs",
+            )
         try:
             messages = render(planned.turns, (), self.tool_family)
         except ToolError as exc:

@@ -86,6 +86,21 @@ async def test_on_the_invented_contacts_never_come_back(live: LiveServer) -> Non
     assert whole == "".join(chunks) == FORCED
 
 
+async def test_on_logprobs_are_refused(live: LiveServer) -> None:
+    """The logprobs would carry the tokens of what the guard leaves out."""
+    await _set_guard(live, True)
+    async with httpx.AsyncClient(base_url=live.http, headers={"Authorization": f"Bearer {CHAT_TOKEN}"}) as http:
+        body = {"model": "default", "messages": MESSAGES, "max_tokens": 4, "logprobs": True}
+        r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    assert r.json()["error"] == {
+        "message": "logprobs are not available while the tenant's contact guard is on",
+        "type": "invalid_request_error",
+        "param": "logprobs",
+        "code": "invalid_request",
+    }
+
+
 async def test_the_setting_is_audited_and_refuses_extra_fields(live: LiveServer) -> None:
     async with httpx.AsyncClient(base_url=live.http, headers={"X-API-Key": ADMIN_KEY}) as http:
         r = await http.put("/admin/tenant/v1-contact-guard", json={"enabled": True, "also": 1})
