@@ -66,10 +66,10 @@ _FINDER = re.compile(
     |(?P<host>(?<![\w@./:-])(?:{_HOST_LABEL}\.)+(?:{"|".join(BARE_TLDS)})(?![\w@-])(?:/{_URL_CHARS}*)?)
     |(?P<phone>(?<![\w.,/:+-])\+?(?:\(\d+\)|\d+)(?:[ .-](?:\(\d+\)|\d+)|\(\d+\)|(?<=\))\d+)*(?![\w(])(?![.,/:-]\d))
     """,
-    re.VERBOSE,
+    re.VERBOSE | re.ASCII,  # NOTE: ASCII digits and letters only, as BOUNDARY assumes
 )
 _TRAILING = ".,;:!?)*'"
-_DIGITS = re.compile(r"\d+")
+_DIGITS = re.compile(r"\d+", re.ASCII)
 _NOT_PHONE = (
     re.compile(r"\d{4}-\d{1,2}-\d{1,2}"),  # ISO date
     re.compile(r"\d{1,2}[.-]\d{1,2}[.-]\d{4}"),  # day, month, year

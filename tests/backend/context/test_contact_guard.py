@@ -94,7 +94,7 @@ def test_nothing_to_check_passes_unchanged() -> None:
     assert guarded(text, Grounding()) == text
 
 
-_ALPHABET = st.sampled_from([*"ab .,-:/@+()0123459wmoc\n", "www.", "https://", ".com", "555", "é"])
+_ALPHABET = st.sampled_from([*"ab .,-:/@+()0123459wmoc\n", "www.", "https://", ".com", "555", "é", "\u0663"])
 _TEXTS = st.lists(_ALPHABET, max_size=40).map("".join)
 
 

@@ -51,6 +51,7 @@ def test_finds(text: str, expected: list[tuple[ContactKind, str]]) -> None:
         "done.So e.g. i.e. notes.md Node.js v2.0.1",
         "www. and https://x and ftp://",
         "a@b and @home",
+        "\u0663\u0660\u0662-\u0661\u0662\u0663\u0664\u0665\u0666\u0667",  # not ASCII digits: ASCII contacts only
     ],
 )
 def test_leaves_alone(text: str) -> None:
