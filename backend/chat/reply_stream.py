@@ -5,6 +5,10 @@ tool call held back.
 offers tools, all but what is, or may still become, a tool call (``backend/tools/parsers.shown_length``: from a
 ``<tool_call>`` tag, or the start of one at the end of the text; for Llama 3, the whole reply while it starts with
 ``{``). What is published is appended to the turn's parts, so the stored reply is exactly what the customer saw.
+
+Everything published passes the turn's contact guard first (``backend/context/contact_guard.py``): a URL, e-mail
+address or phone number its grounding does not hold is replaced before any socket sees it, and the guard holds back
+the few characters that may still become one until ``settle`` (the end of the reply, or of the text before a call).
 """
 
 from __future__ import annotations
@@ -65,7 +69,16 @@ class ReplyStreamer:
         return Streamed(finished, text, published)
 
     def publish(self, turn: Turn, text: str) -> None:
-        """Show ``text`` to the session and make it part of the stored reply."""
+        """Show ``text`` (what the contact guard lets through of it, now) to the session and make it part of the
+        stored reply."""
+        self._show(turn, turn.guard.feed(text) if turn.guard is not None else text)
+
+    def settle(self, turn: Turn) -> None:
+        """The text so far is final (the reply ended, or a call follows it): show what the guard held back."""
+        if turn.guard is not None:
+            self._show(turn, turn.guard.flush())
+
+    def _show(self, turn: Turn, text: str) -> None:
         if text:
             turn.parts.append(text)
             self._hub.publish(turn.session_id, MessageDelta(client_msg_id=turn.client_msg_id, text=text))

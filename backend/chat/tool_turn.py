@@ -134,6 +134,8 @@ class ToolTurn:
             done.append(await self._caller.call(turn.tenant_id, turn.session_id, endpoints, call))
         step = ToolStep(parsed.content or "", tuple(r.call for r in done), tuple(_read_back(r) for r in done))
         progress.steps.append(step)
+        if turn.guard is not None:
+            turn.guard.add_sources(step.results)
         if not all(r.ok for r in done):
             self._graceful(turn, progress)
             return False
@@ -168,6 +170,7 @@ class ToolTurn:
 
     def _begin_answer(self, turn: Turn) -> int:
         """Where the answer starts in the stored reply (after the text shown before a call, and a line break)."""
+        self._streamer.settle(turn)
         if turn.text and not turn.text[-1].isspace():
             self._streamer.publish(turn, "\n\n")
         return len(turn.text)

@@ -3,7 +3,8 @@ runs; ``backend/chat/turns.py`` runs them, one at a time per session).
 
 The steps: the reply setup (the tenant's reply settings and tools, ``reply_setup.py``), the context (read once: the
 one its customer message was observed with, while nothing was stored since), the prompt (built and tokenized once,
-off the event loop, with the tools offered), the blocks an epoch drop left behind freed, the reply streamed from the
+off the event loop, with the tools offered) and the reply's contact guard (grounded in the same context:
+``grounding.py``), the blocks an epoch drop left behind freed, the reply streamed from the
 engine to every socket of the session (``reply_stream.py``; with tools, ``tool_turn.py``), then stored with its
 blocks and tool calls, then the completion published.
 A reply is stored whatever happens: ``complete``, ``cancelled``, or ``incomplete`` (an engine error after some text,
@@ -13,6 +14,7 @@ a shutdown) with exactly the text that was published.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,12 +24,15 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.chat import reply_setup
+from backend.chat.grounding import turn_grounding
 from backend.chat.hub import SessionHub
 from backend.chat.protocol import ErrorFrame, MessageCompleted, Topic, Usage
 from backend.chat.reply_setup import ReplySetup
 from backend.chat.reply_stream import ReplyStreamer
 from backend.chat.tool_turn import RESULT_RESERVE_TOKENS, ToolTurn
 from backend.chat.turn_state import Turn
+from backend.context.contact_guard import ContactGuard
+from backend.context.contacts import ContactKind
 from backend.core.errors import engine_error_code
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
@@ -111,6 +116,7 @@ class TurnRunner:
             if not (turn.cancelled or turn.interrupted):
                 finished, exchange = await self._generate(turn, prepared, setup)
         except EngineError as exc:
+            self._streamer.settle(turn)  # (before the error: what the guard held back was said before it)
             self._hub.publish(turn.session_id, _error_frame(exc, turn.client_msg_id))
             if turn.parts:
                 await self._store(turn, MessageStatus.INCOMPLETE, "error", None)
@@ -142,8 +148,14 @@ class TurnRunner:
         prepared = await run_cpu(turn.tenant_id, self._context.prepare, turn.context, turn.user_seq, budget, tools)
         turn.namespace = prepared.namespace
         turn.topic = Topic(epoch=prepared.epoch, temperature=prepared.temperature, section=list(prepared.sections))
+        turn.guard = ContactGuard(turn_grounding(turn.context), functools.partial(self._blocked, turn))
         await self._invalidate_dropped(turn, prepared)
         return prepared
+
+    def _blocked(self, turn: Turn, kind: ContactKind) -> None:
+        log.info("turn %s/%s: an invented %s was left out of the reply", turn.session_id, turn.client_msg_id, kind)
+        if self._metrics is not None:
+            self._metrics.contacts_blocked.labels(kind.value).inc()
 
     async def _invalidate_dropped(self, turn: Turn, prepared: PreparedPrompt) -> None:
         try:
@@ -176,6 +188,7 @@ class TurnRunner:
         finished: RequestFinished | None,
         exchange: ToolExchange | None = None,
     ) -> None:
+        self._streamer.settle(turn)  # NOTE: first: the stored reply is what was shown, the guard's held tail too
         s = finished.stats if finished else None
         usage = store.TokenUsage(
             prompt_tokens=s.prompt_tokens if s else 0,

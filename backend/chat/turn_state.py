@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from backend.chat.protocol import Topic
+from backend.context.contact_guard import ContactGuard
 from backend.services.context_service import SessionContext
 
 
@@ -30,6 +31,7 @@ class Turn:
     interrupted: bool = False  # cut off by shutdown: stored incomplete
     task: asyncio.Task[None] | None = None
     topic: Topic | None = None  # the topic of the message it answers (known once the prompt is built)
+    guard: ContactGuard | None = None  # what the reply passes through before it is published (with the prompt)
 
     @property
     def text(self) -> str:

@@ -151,6 +151,12 @@ class Metrics:
         self.messages = Counter("kvchat:chat_messages", "Chat messages stored, by role.", ["role"], registry=r)
         self.errors = Counter("kvchat:errors", "Errors answered to clients, by stable code.", ["code"], registry=r)
         self.topic_shifts = Counter("kvchat:topic_shifts", "Topic shifts detected in chat sessions.", registry=r)
+        self.contacts_blocked = Counter(
+            "kvchat:contacts_blocked",
+            "URLs, e-mail addresses and phone numbers left out of replies (not in their grounding), by kind.",
+            ["kind"],
+            registry=r,
+        )
         self.db_latency = Histogram(
             "kvchat:db_query_duration_seconds", "Database statement latency.", buckets=_DB_BUCKETS, registry=r
         )

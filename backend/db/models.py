@@ -61,6 +61,8 @@ class Tenant(Base):
     handbook_version: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # "report" or "reset_cache": erasing a session on a replica without a per-session erase (backend/domain.py).
     replica_erase: Mapped[str] = mapped_column(String(16), default="report", server_default="report")
+    # /v1 replies pass the contact guard (backend/context/contact_guard.py); chat replies always do.
+    v1_contact_guard: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

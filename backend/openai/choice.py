@@ -5,12 +5,17 @@ With tools the model may call, text that may still turn into a call is held back
 ``shown_length``) and so is trailing whitespace (a call's content is stripped); a forced call shows nothing until
 the end. A call is streamed once the reply is complete, in OpenAI's delta shape: a first delta with the call's
 index, id, type and name, then one with its arguments.
+
+With the tenant's ``v1_contact_guard`` on, the content passes a contact guard (``backend/context/contact_guard.py``)
+as it streams: what it holds back comes with the choice's last chunks, and a whole completion's content is what a
+stream would have sent. A call's arguments are not guarded: they are the client's to check.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from backend.context.contact_guard import ContactGuard, guarded
 from backend.engine_client.values import FinishReason, RequestFinished, TokenDelta
 from backend.openai import schemas as s
 from backend.openai.logprobs import TokenTexts
@@ -34,12 +39,16 @@ class Outcome:
 class ChoiceState:
     """Choice ``index``: fed its engine request's events in order."""
 
-    def __init__(self, index: int, tools: ToolUse | None, texts: TokenTexts | None) -> None:
+    def __init__(
+        self, index: int, tools: ToolUse | None, texts: TokenTexts | None, guard: ContactGuard | None = None
+    ) -> None:
         self.index = index
         self._tools = tools
         self._texts = texts  # None: no logprobs asked for
+        self._guard = guard
+        self._sent = ""  # the content streamed (``text[:shown]`` through the guard)
         self.text = ""
-        self.shown = 0  # characters of ``text`` streamed as content
+        self.shown = 0  # characters of ``text`` streamed as content (through the guard, when there is one)
         self.logprobs: list[s.TokenLogprobOut] = []
         self.finished: RequestFinished | None = None
 
@@ -50,6 +59,9 @@ class ChoiceState:
         self.logprobs += entries
         visible = max(self.shown, self._visible())
         content, self.shown = self.text[self.shown : visible], visible
+        if self._guard is not None:
+            content = self._guard.feed(content)
+            self._sent += content
         return content, entries
 
     def _visible(self) -> int:
@@ -62,6 +74,17 @@ class ChoiceState:
     def finish(self, done: RequestFinished) -> Outcome:
         """The choice's end (``done`` is its engine request's last event)."""
         self.finished = done
+        outcome = self._outcome(done)
+        if self._guard is None or outcome.content is None:
+            return outcome
+        whole = self.text[: self.shown] + outcome.unshown
+        unshown = self._guard.feed(outcome.unshown) + self._guard.flush()
+        # NOTE: the content is what the stream sent; a call's content that is not the streamed text plus the rest
+        # (a parser that trimmed it) is checked whole.
+        content = self._sent + unshown if whole == outcome.content else guarded(outcome.content, self._guard.grounding)
+        return Outcome(content, outcome.tool_calls, outcome.finish_reason, unshown)
+
+    def _outcome(self, done: RequestFinished) -> Outcome:
         reason = FINISH_REASONS[done.finish_reason]
         if self._tools is None:
             return Outcome(done.text, (), reason, done.text[self.shown :])

@@ -11,6 +11,9 @@ the alias ``default``; any other model is a 404 ``model_not_found``.
 A request is checked and planned by ``request_plan.py``; its conversation is written in the model family's tool
 format (``backend/tools``: tool calls and results of the history, and the tools offered); each of its ``n`` choices
 is an engine request (``choice.py`` follows one, ``stream.py`` reads them together).
+
+With the tenant's ``v1_contact_guard`` on, each choice's content passes a contact guard grounded in the tenant's
+system prompt and policy text and the request's messages (``backend/context/contact_guard.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from backend.context.contact_guard import ContactGuard
+from backend.context.contacts import ContactKind
+from backend.context.grounding import Grounding
 from backend.context.stateless import segment_messages
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
@@ -132,22 +138,33 @@ class ChatCompletions:
         tenant_id: str,
         namespace: str,
         is_disconnected: Callable[[], Awaitable[bool]],
+        grounding: Grounding | None = None,
     ) -> s.ChatCompletion | EventStreamResponse:
         """Run one chat completion in the tenant's cache namespace: the whole reply, or an SSE stream of it.
 
         Raises ``OpenAIError`` / ``EngineError`` before any byte is sent: a stream starts once the engine gave the
         first event of every choice, so a request the engine refuses (busy, too long) is an HTTP error, not an SSE
-        one.
+        one. With ``grounding`` (the tenant's texts), the content passes the contact guard.
         """
-        run = await self._start(req, tenant_id, namespace)
+        run = await self._start(req, tenant_id, namespace, grounding)
         if not req.stream:
             return await self._complete(run, is_disconnected)
         return EventStreamResponse(self._events(run), on_close=run.close)
 
-    async def _start(self, req: s.ChatCompletionRequest, tenant_id: str, namespace: str) -> _Run:
+    async def _start(
+        self, req: s.ChatCompletionRequest, tenant_id: str, namespace: str, grounding: Grounding | None
+    ) -> _Run:
         """Check, render and tokenize, then open the choices' engine requests and read their first events."""
         self._check_model(req.model)
         planned = plan(req, self.tool_family, self.engine.info.vocab_size, self.max_n)
+        if grounding is not None and planned.top_logprobs is not None:
+            # NOTE: the logprobs carry each sampled token's text: they would show what the guard leaves out.
+            raise OpenAIError(
+                400,
+                "logprobs are not available while the tenant's contact guard is on",
+                "invalid_request",
+                param="logprobs",
+            )
         try:
             messages = render(planned.turns, (), self.tool_family)
         except ToolError as exc:
@@ -168,7 +185,9 @@ class ChatCompletions:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
         texts = self._token_texts if planned.top_logprobs is not None else None
-        states = [ChoiceState(i, planned.tools, texts) for i in range(planned.n)]
+        if grounding is not None:
+            grounding = grounding.with_texts(*(m["content"] for m in messages))
+        states = [ChoiceState(i, planned.tools, texts, self._guard(grounding)) for i in range(planned.n)]
         run = _Run(meta, [], [], states)
         try:
             # NOTE: choice 0 first: once its first token is out, its prompt's full blocks are in the prefix cache,
@@ -185,6 +204,13 @@ class ChatCompletions:
             await run.close()
             raise
         return run
+
+    def _guard(self, grounding: Grounding | None) -> ContactGuard | None:
+        return ContactGuard(grounding, self._blocked) if grounding is not None else None
+
+    def _blocked(self, kind: ContactKind) -> None:
+        if self.metrics is not None:
+            self.metrics.contacts_blocked.labels(kind.value).inc()
 
     def _tokenize(self, messages: list[dict[str, str]], offered: Sequence[ToolSpec]) -> TokenizedPrompt:
         """The messages, split into semantic blocks (so cache stats count them by type), with the tools offered

@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import delete, select
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.context.builder import HANDBOOK_SECTION, prefix_segments, section_segments
 from backend.context.errors import HandbookError
+from backend.context.grounding import Grounding
 from backend.context.handbook import HandbookFormat, HandbookLimits, Section, check, parse
 from backend.context.sections import SectionIndex
 from backend.core.errors import TenantNotFoundError
@@ -251,3 +252,11 @@ class HandbookCache:
         with self._lock:
             self._indexes[tenant_id] = (version, index)
         return index
+
+
+async def v1_grounding(sessionmaker: async_sessionmaker[AsyncSession], tenant: Tenant) -> Grounding:
+    """What a ``/v1`` reply of the tenant may take contact details from (its guard on): the system prompt, the policy
+    text and the handbook (the request's own messages are added by the service)."""
+    async with sessionmaker() as db:
+        rows = await sections_of(db, tenant.id)
+    return Grounding((tenant.system_prompt, tenant.policy_text, *(r.text for r in rows)))

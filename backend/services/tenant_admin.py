@@ -71,6 +71,13 @@ async def set_policy_text(
     return await cache_admin.prefix_edited(db, engine, namespaces, tenant)
 
 
+async def set_v1_contact_guard(db: AsyncSession, tenant_id: str, enabled: bool) -> Tenant:
+    """Whether ``/v1`` replies pass the contact guard (the next request uses it); nothing cached depends on it."""
+    tenant = await tenants.set_v1_contact_guard(db, tenant_id, enabled)
+    await db.commit()
+    return tenant
+
+
 async def rotate_key(db: AsyncSession, tenant_id: str, kind: KeyKind, watch: KeyWatch) -> IssuedKey:
     """Issue a new key of ``kind`` and revoke the old ones; the sockets they opened are closed (this process's at
     once, the other processes' when the commit's notification reaches them)."""

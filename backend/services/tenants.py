@@ -149,6 +149,13 @@ async def set_policy_text(db: AsyncSession, tenant_id: str, policy_text: str) ->
     return tenant
 
 
+async def set_v1_contact_guard(db: AsyncSession, tenant_id: str, enabled: bool) -> Tenant:
+    tenant = await get_tenant(db, tenant_id)
+    tenant.v1_contact_guard = enabled
+    await db.flush()
+    return tenant
+
+
 async def issue_key(db: AsyncSession, tenant_id: str, kind: KeyKind) -> IssuedKey:
     """Generate a key for the tenant (flushed; the caller commits)."""
     key = generate_key(kind)

@@ -1,5 +1,5 @@
-"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002, 0004-0010 and
-0013 up and down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change, write a
+"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002, 0004-0010, 0013
+and 0014 up and down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change, write a
 migration)."""
 
 from __future__ import annotations
@@ -287,6 +287,30 @@ def test_postgres_tool_exchange_revision_up_and_down(pg_empty_url: str) -> None:
 
 def test_sqlite_tool_exchange_revision_up_and_down(tmp_path: Path) -> None:
     _tool_exchange_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+
+
+def _v1_contact_guard_up_and_down(url: str) -> None:
+    """0013 → 0014 adds ``tenants.v1_contact_guard``, off for the stored tenants; back to 0013 it goes, they stay."""
+    migrate.upgrade(url, "0013")
+    insert = "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', '', '2026-01-01')"
+    asyncio.run(_execute(url, insert))
+    migrate.upgrade(url, "0014")
+    assert asyncio.run(_execute(url, "SELECT name, v1_contact_guard FROM tenants")) == [("acme", False)]
+    asyncio.run(_execute(url, "UPDATE tenants SET v1_contact_guard = true"))
+    assert asyncio.run(_execute(url, "SELECT v1_contact_guard FROM tenants")) == [(True,)]
+    migrate.downgrade(url, "0013")
+    assert asyncio.run(_execute(url, "SELECT name FROM tenants")) == [("acme",)]
+    migrate.upgrade(url, "0014")
+    assert asyncio.run(_execute(url, "SELECT v1_contact_guard FROM tenants")) == [(False,)]
+
+
+@pytest.mark.postgres
+def test_postgres_v1_contact_guard_revision_up_and_down(pg_empty_url: str) -> None:
+    _v1_contact_guard_up_and_down(pg_empty_url)
+
+
+def test_sqlite_v1_contact_guard_revision_up_and_down(tmp_path: Path) -> None:
+    _v1_contact_guard_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
 
 
 @pytest.mark.postgres

@@ -13,6 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 ORDER = {"order_id": "A1234", "status": "shipped", "carrier": "DHL", "eta": "2026-05-03"}
+# (/tracking: JSON that escapes "/", as some encoders do)
+TRACKING = b'{"order_id": "A1234", "tracking": "https:\\/\\/track.example.net\\/A1234"}'
 
 
 @dataclass
@@ -48,6 +50,8 @@ def tool_server(slow_s: float = 2.0) -> Iterator[ToolServer]:
                 self._answer(500, b'{"error": "down"}')
             elif self.path == "/garbage":
                 self._answer(200, b"<html>Internal error</html>")
+            elif self.path == "/tracking":
+                self._answer(200, TRACKING)
             else:
                 self._answer(200, json.dumps(ORDER).encode())
 

@@ -1,5 +1,6 @@
 """Admin: the tenant's own settings and keys (system prompt and policy text; rotate the chat token or the admin key),
-its context-layer settings, its cache settings (scope, prefix pinning), and a flush of its whole prefix cache.
+whether ``/v1`` replies pass the contact guard, its context-layer settings, its cache settings (scope, prefix
+pinning), and a flush of its whole prefix cache.
 
 The engine-global cache settings (TTLs, disk cap, eviction) are the operator's: ``admin_cache.py``."""
 
@@ -33,6 +34,7 @@ class TenantOut(BaseModel):
     policy_text: str = Field(description="rendered right after the system prompt: together, every prompt's part 1")
     cache_scope: CacheScope
     pin_prefix: bool
+    v1_contact_guard: bool = Field(description="/v1 replies pass the contact guard (chat replies always do)")
     created_at: datetime
 
     @classmethod
@@ -44,6 +46,7 @@ class TenantOut(BaseModel):
             policy_text=t.policy_text,
             cache_scope=CacheScope(t.cache_scope),
             pin_prefix=t.pin_prefix,
+            v1_contact_guard=t.v1_contact_guard,
             created_at=t.created_at,
         )
 
@@ -58,6 +61,15 @@ class PolicyTextIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     policy_text: Annotated[SafeText, Field(max_length=100_000)]
+
+
+class V1ContactGuardIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        description="replace URLs, e-mail addresses and phone numbers that neither the tenant's system prompt and "
+        "policy text nor the request's messages hold (off by default: an API client may want raw output)"
+    )
 
 
 class TenantCacheIO(BaseModel):
@@ -194,6 +206,12 @@ async def set_policy_text(
     cache follows as for the system prompt."""
     edit = await tenant_admin.set_policy_text(db, state.engine, state.namespaces, tenant.id, body.policy_text)
     return _edited(request, edit)
+
+
+@router.put("/v1-contact-guard", response_model=TenantOut, dependencies=[audited("tenant.v1_contact_guard")])
+async def set_v1_contact_guard(body: V1ContactGuardIn, tenant: AdminDep, db: DbDep) -> TenantOut:
+    """Turn the contact guard on ``/v1/chat/completions`` on or off (the next request uses it)."""
+    return TenantOut.of(await tenant_admin.set_v1_contact_guard(db, tenant.id, body.enabled))
 
 
 def _edited(request: Request, edit: PrefixEdit) -> TenantOut:

@@ -18,6 +18,7 @@ from backend.db.models import Tenant
 from backend.domain import KeyKind
 from backend.openai.errors import OpenAIRoute, unauthorized
 from backend.openai.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse, ModelCard, ModelList
+from backend.services import handbook
 
 _ERRORS: dict[int | str, dict[str, object]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute, responses=_ERRORS)
@@ -52,4 +53,5 @@ async def chat_completions(
     body: ChatCompletionRequest, tenant: ChatTenantDep, state: StateDep, request: Request
 ) -> ChatCompletion | StreamingResponse:
     namespace = state.namespaces.of(tenant.id, tenant.cache_scope)
-    return await state.completions.create(body, tenant.id, namespace, request.is_disconnected)
+    grounding = await handbook.v1_grounding(state.sessionmaker, tenant) if tenant.v1_contact_guard else None
+    return await state.completions.create(body, tenant.id, namespace, request.is_disconnected, grounding)

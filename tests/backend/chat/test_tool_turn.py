@@ -15,6 +15,9 @@ from backend.chat.reply_setup import ReplySetup
 from backend.chat.reply_stream import ReplyStreamer
 from backend.chat.tool_turn import GRACEFUL_REPLY, MAX_STEPS, ToolTurn, ToolTurnResult
 from backend.chat.turn_state import Turn
+from backend.context.contact_guard import ContactGuard
+from backend.context.contacts import ContactKind
+from backend.context.grounding import Grounding
 from backend.db.engine import create_db_engine, create_sessionmaker
 from backend.engine_client.values import (
     FinishReason,
@@ -78,6 +81,8 @@ async def run(
     replies: Sequence[Sequence[str]],
     family: ToolFamily = ToolFamily.HERMES,
     settings: ReplySettings | None = None,
+    grounding: Grounding | None = None,
+    path: str = "/order",
 ) -> tuple[ToolTurnResult, Turn, list[str], ScriptedEngine]:
     db_engine = create_db_engine(sqlite_url)
     try:
@@ -90,11 +95,14 @@ async def run(
         frames: list[Any] = []
         hub.subscribe("s1", frames.append)
         caller = ToolCaller(sessionmaker, allow_private_networks=True)
-        tool_turn = ToolTurn(engine, ReplyStreamer(engine, hub), caller)  # type: ignore[arg-type]
-        tool = ToolEndpoint("lookup_order", "Find an order.", ARGS, endpoint.url("/order"), None, None, 2.0)
+        streamer = ReplyStreamer(engine, hub)  # type: ignore[arg-type]
+        tool_turn = ToolTurn(engine, streamer, caller)  # type: ignore[arg-type]
+        tool = ToolEndpoint("lookup_order", "Find an order.", ARGS, endpoint.url(path), None, None, 2.0)
         setup = ReplySetup(settings or ReplySettings(), (tool,))
         turn = Turn("s1", tenant.id, "m1", 1)
+        turn.guard = ContactGuard(grounding) if grounding is not None else None
         result = await tool_turn.run(turn, PROMPT, engine.tokenize_prompt(PROMPT), setup, family, 64, 1000)
+        streamer.settle(turn)  # (the turn's end: TurnRunner._store)
     finally:
         await db_engine.dispose()
     return result, turn, [f.text for f in frames], engine
@@ -117,6 +125,33 @@ async def test_text_before_a_call_streams_the_call_never_does(sqlite_url: str, e
     assert result.exchange is not None and result.exchange.answer_from == len("Let me check. ")
     assert result.exchange.messages(ToolFamily.HERMES) == expected.messages[len(PROMPT.messages) :]
     assert result.exchange.answer(turn.text) == "It has shipped." + DETAILS
+
+
+async def test_the_guard_settles_before_a_call_and_reads_the_results(sqlite_url: str, endpoint: ToolServer) -> None:
+    """The number the text before a call ends in is shown when the call comes (before the line break); the answer
+    may repeat the result's order id, not an invented URL or number."""
+    sources = Grounding(("Call 555-123-4567.",))
+    call_chunks = ["Let me check, call 555-123-4567", HERMES_CALL]
+    answer = ["Order A1234: see www.fake.com", " or 1-800-999-0000."]
+    _, turn, deltas, _ = await run(sqlite_url, endpoint, [call_chunks, answer], grounding=sources)
+    assert deltas == [
+        "Let me check, call ",
+        "555-123-4567",
+        "\n\n",
+        "Order A1234: see ",
+        "[link removed] or ",
+        # the details line joins the held tail; its date's tail is held to the end (it could still be a number)
+        "[number removed]." + DETAILS.removesuffix("2026-05-03."),
+        "2026-05-03.",
+    ]
+    assert turn.text == "".join(deltas)
+    assert turn.guard is not None and turn.guard.blocked == {ContactKind.URL: 1, ContactKind.PHONE: 1}
+
+
+async def test_a_url_from_this_turns_tool_result_passes(sqlite_url: str, endpoint: ToolServer) -> None:
+    answer = ["Track it at https://track.example.net/A1234", " (not https://track.example.net/B9)."]
+    _, turn, _, _ = await run(sqlite_url, endpoint, [[HERMES_CALL], answer], grounding=Grounding(), path="/tracking")
+    assert turn.text.startswith("Track it at https://track.example.net/A1234 (not [link removed]).\n\nDetails: ")
 
 
 async def test_a_llama3_call_is_held_back_whole(sqlite_url: str, endpoint: ToolServer) -> None:
