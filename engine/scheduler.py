@@ -4,7 +4,14 @@ One ``schedule()`` call plans one model step:
 
 1. running sequences that decode (one token each), oldest admission first;
 2. running sequences still prefilling (a chunk each), within the step's token budget;
-3. waiting sequences, first come first served, while the budget, ``max_num_seqs`` and the pool allow.
+3. waiting sequences, fairly by tenant (below), while the budget, ``max_num_seqs`` and the pool allow.
+
+Fair share (``engine.fair_share``, VTC): every tenant has a virtual token counter that grows with the tokens
+planned for it (prefill chunks and decodes; prefix-cache hits are free) divided by its weight. Admission takes the
+waiting sequence of the tenant with the smallest counter (inside it, of the session with the smallest counter; then
+the oldest), and running prefills take the step's budget in that order too, so one tenant's burst cannot hold
+another's reply. A tenant back from idle is lifted to the smallest active counter: idling banks no credit. Alone, a
+tenant gets the whole engine. Scheduling decides only when a token is computed, never its value.
 
 While other sequences are in flight, a prefill chunk takes at most ``long_prefill_chunk`` tokens of the step (alone,
 a prompt takes the whole budget): a long cold prompt then advances a chunk a step beside the others, and a new
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.errors import EngineBusy, InvalidRequestError
+from engine.fair_share import FairCounters
 from engine.kv.kv_cache_manager import KVCacheManager, MatchResult
 from engine.sequence import Sequence, SequenceStatus
 
@@ -111,6 +119,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self._seqs: dict[str, Sequence] = {}
+        self.fair = FairCounters()
 
     @property
     def num_waiting(self) -> int:
@@ -142,6 +151,7 @@ class Scheduler:
             raise EngineBusy(f"{len(self.waiting)} requests are already waiting", self.config.retry_after_s)
         self.waiting.append(seq)
         self._seqs[seq.request_id] = seq
+        self.fair.enter(seq.share, seq.fair_session)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Abort a waiting or running sequence and free its blocks. Returns None for an unknown (or finished) id."""
@@ -161,6 +171,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.kv.free(seq.request_id)
+        self.fair.leave(seq.share, seq.fair_session)
         seq.status = status
 
     def schedule(self) -> SchedulerOutput:
@@ -169,14 +180,10 @@ class Scheduler:
         self._schedule_running(step, decodes=False)
         # NOTE: no admission in a step that preempted: the pool is already short, a new sequence would only be
         # preempted in turn (the same rule as vLLM).
-        # NOTE: a sequence whose prefix is still loading from disk is passed over, not waited for; the rest keep order.
-        # (iterated over a copy only when there is room: _admit removes what it admits)
-        if step.budget > 0 and len(self.running) < self.config.max_num_seqs and not step.preempted:
-            for seq in list(self.waiting):
-                if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs or step.preempted:
-                    break
-                if not seq.loading and not self._admit(seq, step):
-                    break
+        while step.budget > 0 and len(self.running) < self.config.max_num_seqs and not step.preempted:
+            seq = self._next_waiting()
+            if seq is None or not self._admit(seq, step):
+                break
         return SchedulerOutput(list(step.scheduled.values()), step.preempted, step.rejected)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
@@ -194,8 +201,22 @@ class Scheduler:
             if end // self.config.block_size > item.start_pos // self.config.block_size:  # a block became full
                 self.kv.cache_full_blocks(seq.request_id, seq.root, seq.all_token_ids, end, owner=seq.session)
 
+    def _next_waiting(self) -> Sequence | None:
+        """The waiting sequence to admit next: smallest tenant counter, then session counter, then the oldest (the
+        front of the queue, where a preempted sequence goes back).
+
+        NOTE: a sequence whose prefix is still loading from disk is passed over, not waited for.
+        """
+        ready = (seq for seq in self.waiting if not seq.loading)
+        return min(ready, key=lambda seq: self.fair.rank(seq.share, seq.fair_session), default=None)
+
     def _schedule_running(self, step: _Step, decodes: bool) -> None:
-        for seq in list(self.running):
+        # NOTE: decodes in admission order (one token each: the budget rarely runs out before them); prefill chunks
+        # by fair rank, so the step's budget goes to the tenant that has been served least.
+        seqs = list(self.running)
+        if not decodes:
+            seqs.sort(key=lambda seq: self.fair.rank(seq.share, seq.fair_session))
+        for seq in seqs:
             if step.budget <= 0:
                 return
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -229,7 +250,7 @@ class Scheduler:
         num_new = min(seq.num_tokens - match.num_cached_tokens, step.budget, self._chunk_cap())
         if not self.kv.allocate_slots(seq.request_id, match.num_cached_tokens + num_new, match, seq.spans):
             if self.running:
-                return False  # FCFS: the head waits for blocks; nobody overtakes it
+                return False  # the fairest waits for blocks; nobody overtakes it (else a long prompt could starve)
             self._reject(seq, step)
             return True
         self.waiting.remove(seq)
@@ -259,6 +280,8 @@ class Scheduler:
         table = self.kv.block_table(seq.request_id)
         step.scheduled[seq.request_id] = ScheduledSeq(seq, start, num_new, table, start + num_new == seq.num_tokens)
         step.budget -= num_new
+        # NOTE: billed when planned, not after the step: the next pick of this same step must see it.
+        self.fair.charge(seq.share, seq.fair_session, num_new)
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
         self.running.remove(seq)
@@ -266,6 +289,7 @@ class Scheduler:
         planned = step.scheduled.pop(seq.request_id, None)
         if planned is not None:  # NOTE: it was planned earlier in this step; give its tokens back to the budget
             step.budget += planned.num_new_tokens
+            self.fair.charge(seq.share, seq.fair_session, -planned.num_new_tokens)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
