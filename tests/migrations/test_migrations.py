@@ -1,5 +1,5 @@
 """Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002 and 0004-0009 up and
-down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change, write a
+down alone (0011 too). At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change, write a
 migration)."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ TABLES_0001 = {"tenants", "api_keys", "chat_sessions", "messages"}
 TABLES_0002 = {"splitter_rules", "semantic_blocks", "topic_history", "invalidation_events", "tenant_context_settings"}
 TABLES_0004 = {"admin_audit"}
 TABLES_0008 = {"tenant_reply_settings", "tenant_tools"}
-EXPECTED_TABLES = TABLES_0001 | TABLES_0002 | TABLES_0004 | TABLES_0008
+TABLES_0011 = {"tenant_fair_share"}
+EXPECTED_TABLES = TABLES_0001 | TABLES_0002 | TABLES_0004 | TABLES_0008 | TABLES_0011
 SESSION_COLUMNS_0002 = {"semantic_temperature", "topic_epoch"}
 
 
@@ -286,6 +287,40 @@ def test_postgres_tool_exchange_revision_up_and_down(pg_empty_url: str) -> None:
 
 def test_sqlite_tool_exchange_revision_up_and_down(tmp_path: Path) -> None:
     _tool_exchange_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+
+
+def _fair_share_up_and_down(url: str) -> None:
+    """0009 → 0011 adds ``tenant_fair_share`` (a tenant's weight and quotas); back to 0009 it goes, the tenant stays."""
+    migrate.upgrade(url, "0009")
+    asyncio.run(
+        _execute(
+            url, "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', '', '2026-01-01')"
+        )
+    )
+    migrate.upgrade(url, "0011")
+    asyncio.run(
+        _execute(
+            url,
+            "INSERT INTO tenant_fair_share (tenant_id, weight, tokens_per_minute, max_concurrent, updated_at)"
+            " VALUES ('t1', 2.0, 6000, NULL, '2026-01-01')",
+        )
+    )
+    rows = asyncio.run(
+        _execute(url, "SELECT tenant_id, weight, tokens_per_minute, max_concurrent FROM tenant_fair_share")
+    )
+    assert rows == [("t1", 2.0, 6000, None)]
+    migrate.downgrade(url, "0009")
+    assert "tenant_fair_share" not in asyncio.run(_tables(url))
+    assert asyncio.run(_execute(url, "SELECT name FROM tenants")) == [("acme",)]
+
+
+@pytest.mark.postgres
+def test_postgres_fair_share_revision_up_and_down(pg_empty_url: str) -> None:
+    _fair_share_up_and_down(pg_empty_url)
+
+
+def test_sqlite_fair_share_revision_up_and_down(tmp_path: Path) -> None:
+    _fair_share_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
 
 
 @pytest.mark.postgres

@@ -17,6 +17,7 @@ from backend.chat.tool_turn import GRACEFUL_REPLY, MAX_STEPS, ToolTurn, ToolTurn
 from backend.chat.turn_state import Turn
 from backend.db.engine import create_db_engine, create_sessionmaker
 from backend.engine_client.values import (
+    FairShare,
     FinishReason,
     GrammarKind,
     RequestFinished,
@@ -56,7 +57,13 @@ class ScriptedEngine:
         return TokenizedPrompt(list(range(len(prompt.messages))))
 
     async def generate(
-        self, prompt: TokenizedPrompt, params: SamplingParams, namespace: str, request_id: str, session: str
+        self,
+        prompt: TokenizedPrompt,
+        params: SamplingParams,
+        namespace: str,
+        request_id: str,
+        session: str,
+        share: FairShare | None = None,
     ) -> AsyncIterator[TokenDelta | RequestFinished]:
         chunks = self.replies[len(self.requests)]
         self.requests.append((request_id, params))
