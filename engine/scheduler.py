@@ -13,6 +13,11 @@ the oldest), and running prefills take the step's budget in that order too, so o
 another's reply. A tenant back from idle is lifted to the smallest active counter: idling banks no credit. Alone, a
 tenant gets the whole engine. Scheduling decides only when a token is computed, never its value.
 
+When every running slot is taken and the fairest waiting sequence's tenant has nothing running, one running sequence
+of the tenant that holds the most slots, beyond its even share, is preempted for it (one a step). Without that, a
+burst admitted together finishes together, and the next tenant waits for the whole burst's replies, however small
+its counter.
+
 While other sequences are in flight, a prefill chunk takes at most ``long_prefill_chunk`` tokens of the step (alone,
 a prompt takes the whole budget): a long cold prompt then advances a chunk a step beside the others, and a new
 turn's short prefill or a decode waits behind one such chunk, not behind the whole budget's worth.
@@ -29,7 +34,7 @@ reported in ``SchedulerOutput.rejected`` (the engine fails it with ``PromptTooLo
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -184,6 +189,8 @@ class Scheduler:
             seq = self._next_waiting()
             if seq is None or not self._admit(seq, step):
                 break
+        if step.budget > 0 and len(self.running) >= self.config.max_num_seqs and not step.preempted:
+            self._hand_over_a_slot(step)
         return SchedulerOutput(list(step.scheduled.values()), step.preempted, step.rejected)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
@@ -202,13 +209,42 @@ class Scheduler:
                 self.kv.cache_full_blocks(seq.request_id, seq.root, seq.all_token_ids, end, owner=seq.session)
 
     def _next_waiting(self) -> Sequence | None:
-        """The waiting sequence to admit next: smallest tenant counter, then session counter, then the oldest (the
-        front of the queue, where a preempted sequence goes back).
+        """The waiting sequence to admit next: smallest tenant counter; inside the tenant, a preempted sequence first
+        (its reply stalled mid-stream), then the session with the smallest counter, then the oldest (the front of
+        the queue, where a preempted sequence goes back).
 
         NOTE: a sequence whose prefix is still loading from disk is passed over, not waited for.
         """
         ready = (seq for seq in self.waiting if not seq.loading)
-        return min(ready, key=lambda seq: self.fair.rank(seq.share, seq.fair_session), default=None)
+        return min(ready, key=self._rank, default=None)
+
+    def _rank(self, seq: Sequence) -> tuple[float, bool, float]:
+        tenant, session = self.fair.rank(seq.share, seq.fair_session)
+        return tenant, seq.num_preemptions == 0, session
+
+    def _hand_over_a_slot(self, step: _Step) -> None:
+        """All slots are taken: when the fairest waiting sequence's tenant has none, preempt the newest running
+        sequence of the tenant holding the most slots beyond an even share, and admit the waiting one instead.
+
+        NOTE: cheap for the victim: its full blocks are published, so its recompute is mostly a prefix hit; and
+        bounded: only a tenant with nothing running takes a slot, from one over its share, at most once a step.
+        """
+        seq = self._next_waiting()
+        if seq is None:
+            return
+        held = Counter(s.share.tenant for s in self.running)
+        if held[seq.share.tenant]:
+            return
+        tenant, count = held.most_common(1)[0]
+        counters = self.fair.tenants
+        # NOTE: "beyond an even share" (at least one slot kept) is what keeps two tenants from taking a slot back and
+        # forth: the one that just got its slot holds no more than its share.
+        share = max(1.0, self.config.max_num_seqs / (len(held) + 1))
+        if count <= share or counters.counter(tenant) <= counters.counter(seq.share.tenant):
+            return
+        victim = next(s for s in reversed(self.running) if s.share.tenant == tenant)
+        self._preempt(victim, step)
+        self._admit(seq, step)  # (short of blocks even now, it waits in front: nothing is lost)
 
     def _schedule_running(self, step: _Step, decodes: bool) -> None:
         # NOTE: decodes in admission order (one token each: the budget rarely runs out before them); prefill chunks

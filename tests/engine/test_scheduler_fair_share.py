@@ -49,15 +49,33 @@ def admitted(out: SchedulerOutput) -> list[str]:
     return [i.seq.request_id for i in out.scheduled if i.start_pos == 0]
 
 
-def test_a_later_tenant_overtakes_a_burst_in_the_waiting_queue() -> None:
+def plan(out: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(i.seq.request_id, i.start_pos, i.num_new_tokens) for i in out.scheduled]
+
+
+def test_a_tenant_with_nothing_running_takes_a_slot_from_a_burst() -> None:
     sched = make(max_num_seqs=2)
     for i in range(6):
         sched.add(seq(f"a{i}", "A"))
     assert admitted(step(sched)) == ["a0", "a1"]
+    a1 = sched.get("a1")
     sched.add(seq("b0", "B"))
-    # FCFS would admit a2..a5 first; B has been served nothing, so it takes the first free slot.
-    outs = [step(sched) for _ in range(4)]
-    assert [admitted(o) for o in outs] == [[], [], [], ["b0", "a2"]]
+    out = step(sched)
+    # FCFS: b0 waited for a2..a5. Fair: A holds both slots (over an even share of 1), B none: a1, the newest, yields.
+    assert plan(out) == [("a0", 8, 1), ("b0", 0, 8)]
+    assert out.preempted == [a1]
+    later = [step(sched) for _ in range(4)]
+    assert [o.preempted for o in later] == [[], [], [], []]  # B's one slot is its share: A does not take it back
+    # a1 is A's first once a slot frees (its reply stalled mid-stream), from its published blocks: 1 token recomputed.
+    assert plan(later[2]) == [("b0", 10, 1), ("a1", 8, 1)]
+
+
+def test_no_slot_changes_hands_with_a_single_slot() -> None:
+    one = make(max_num_seqs=1)
+    one.add(seq("a0", "A"))
+    step(one)
+    one.add(seq("b0", "B"))
+    assert [o.preempted for o in (step(one), step(one))] == [[], []]  # nobody holds more than a share of one slot
 
 
 def test_equal_weights_split_served_tokens_evenly_while_both_are_backlogged() -> None:
