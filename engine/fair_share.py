@@ -63,7 +63,8 @@ class VirtualCounters(Generic[K]):
         return self._floor
 
     def counter(self, key: K) -> float:
-        return self._counters.get(key, self.virtual_time)
+        counter = self._counters.get(key)  # NOTE: not .get(key, self.virtual_time): that walks every active key
+        return self.virtual_time if counter is None else counter
 
     def is_active(self, key: K) -> bool:
         return key in self._active
