@@ -4,17 +4,21 @@ stored, applied to the next request (429 ``rate_limited`` with Retry-After), aud
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
 from backend.core.errors import engine_error_code
 from backend.core.tenant_quota import RateLimited
 from engine.llm_engine import LLMEngine
 from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, server_settings, serving
+from support.ws_chat import Chat
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -119,3 +123,23 @@ async def test_an_unknown_tenant_is_404_and_a_tenant_key_is_not_the_operator(liv
 
 def test_a_rate_limited_turn_is_the_rate_limited_frame_code() -> None:
     assert engine_error_code(RateLimited("rate limited: x", 2.0, "max_concurrent")) == "rate_limited"
+
+
+async def test_a_chat_turn_over_the_quota_gets_a_rate_limited_frame(live: LiveServer) -> None:
+    async with httpx.AsyncClient(base_url=live.http, timeout=TIMEOUT) as http:
+        tenant = (await http.get("/admin/tenant", headers={"Authorization": f"Bearer {ADMIN_KEY}"})).json()["id"]
+        await http.put(f"/admin/fair-share/{tenant}", headers=OPERATOR, json={"tokens_per_minute": 1})
+    async with websockets.connect(live.ws) as ws:
+        chat = Chat(ws)
+        await chat.hello(CHAT_TOKEN)
+        first = await chat.turn("Where is my order?")  # under the limit when it started
+        await ws.send(json.dumps({"type": "user.message", "client_msg_id": "second", "text": "And now?"}))
+        frames = [json.loads(await asyncio.wait_for(ws.recv(), 60))]
+        while frames[-1]["type"] not in ("error", "message.completed"):
+            frames.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+    assert first["usage"]["completion_tokens"] >= 1
+    errors = [f for f in frames if f["type"] == "error"]
+    assert frames[0] == {"type": "message.ack", "client_msg_id": "second", "seq": 3, "duplicate": False}
+    assert [(e["code"], e["client_msg_id"]) for e in errors] == [("rate_limited", "second")]
+    assert 1 <= errors[0]["retry_after_ms"] <= 60_000
+    assert errors[0]["message"].startswith("rate limited: ")
