@@ -15,12 +15,13 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from backend.api import boundary, docs
 from backend.api.routes import (
     admin_audit,
     admin_cache,
+    admin_fair_share,
     admin_handbook,
     admin_reply,
     admin_rules,
@@ -47,6 +48,7 @@ from backend.core.logs import RequestIdMiddleware
 from backend.core.metrics import Metrics, instrument_database
 from backend.core.namespaces import Namespaces, load_secret
 from backend.core.startup import STARTUP_ERRORS, Phase, Startup
+from backend.core.tenant_quota import GatedEngine, QuotaGate
 from backend.db import migrate
 from backend.db.engine import create_db_engine, create_sessionmaker, live_workers, peer_workers, worker_name
 from backend.db.models import utcnow
@@ -54,7 +56,7 @@ from backend.engine_client.protocol import EngineClient
 from backend.engine_client.remote import RemoteEngine
 from backend.openai.request_plan import DEFAULT_MAX_N
 from backend.openai.service import ChatCompletions, served_model_id
-from backend.services import cache_admin
+from backend.services import cache_admin, fair_share
 from backend.services.context_service import ContextService
 from backend.services.reply_settings import defaults_of
 from backend.services.revocation import RevocationFeed
@@ -112,6 +114,7 @@ def create_app(
     app.include_router(admin_rules.router)
     app.include_router(admin_audit.router)
     app.include_router(admin_cache.router)
+    app.include_router(admin_fair_share.router)
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:
@@ -182,8 +185,10 @@ async def _start_phases(
     reply = ReplyConfig(settings.reply_max_tokens, defaults_of(settings), settings.tools_allow_private_networks)
     metrics.watch_engine(llm)
     instrument_database(db_engine, metrics)
+    quotas = await _start_quotas(sessionmaker, metrics, owned)
+    gated = GatedEngine(llm, quotas)  # chat turns and /v1 completions go through the tenants' quotas
     context = ContextService(sessionmaker, llm, namespaces)
-    chat = ChatService(sessionmaker, llm, SessionHub(), context, reply, settings.test_commit_delay_seconds, metrics)
+    chat = ChatService(sessionmaker, gated, SessionHub(), context, reply, settings.test_commit_delay_seconds, metrics)
     fanout = _start_fanout(url, name, chat, owned)  # (stopped after the drain: its last frames still go out)
     owned.push_async_callback(_drain, chat, settings.shutdown_grace_seconds)
     revocations = RevocationFeed(url, sessionmaker, chat.hub.keys)  # revoked keys close their sockets, any process
@@ -207,10 +212,11 @@ async def _start_phases(
         sessionmaker=sessionmaker,
         engine=llm,
         chat=chat,
-        completions=ChatCompletions(llm, served_model_id(model), metrics, max_n=min(DEFAULT_MAX_N, capacity)),
+        completions=ChatCompletions(gated, served_model_id(model), metrics, max_n=min(DEFAULT_MAX_N, capacity)),
         metrics=metrics,
         namespaces=namespaces,
         admission=Admission(capacity),
+        quotas=quotas,
     )
     base = f"http://{settings.host}:{settings.port}"
     startup.enter(
@@ -309,6 +315,28 @@ async def _recover_interrupted_turns(chat: ChatService, db_engine: AsyncEngine, 
     marked = await chat.recover_interrupted()
     if marked:
         log.warning("marked %d repl(ies) cut off by a crash as incomplete", marked)
+
+
+async def _start_quotas(
+    sessionmaker: async_sessionmaker[AsyncSession], metrics: Metrics, owned: contextlib.AsyncExitStack
+) -> QuotaGate:
+    """The tenants' weights and quotas, loaded now and then every ``fair_share.REFRESH_S`` (an operator's change made
+    through another worker reaches this one)."""
+    gate = QuotaGate(on_refused=metrics.tenant_refused, on_served=metrics.tenant_served_request)
+    async with sessionmaker() as db:
+        gate.load(await fair_share.load_all(db))
+
+    async def refresh() -> None:
+        while True:
+            await asyncio.sleep(fair_share.REFRESH_S)
+            try:
+                async with sessionmaker() as db:
+                    gate.load(await fair_share.load_all(db))
+            except Exception:  # NOTE: a database blip keeps the quotas last loaded; the next period tries again
+                log.warning("reloading the tenants' fair-share settings failed", exc_info=True)
+
+    owned.push_async_callback(_cancel, asyncio.create_task(refresh(), name="kvchat-quotas"))
+    return gate
 
 
 async def _sweep_idle_sessions(chat: ChatService, timeout_s: int) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from engine.config import EngineConfig
 from engine.engine_info import EngineInfo, EngineStats
 from engine.errors import EngineError, PromptTooLongError, RequestFailed
+from engine.fair_share import DEFAULT_SHARE, FairShare
 from engine.kv.block_meta import GENERATED, UNTYPED, SpanMap, TokenSpan
 from engine.kv.cache_control import CacheControl
 from engine.kv.kv_cache_manager import KVCacheManager
@@ -93,7 +94,9 @@ class EngineCore:
         sampler = Sampler(runner.device, vocab_size=info.vocab_size, grammar=grammar)
         return cls(runner, encoder, sampler, kv, scheduler, cache, table, lock, wakeup)
 
-    def prepare(self, submission: Submission, rid: str, session: str | None) -> Request:
+    def prepare(
+        self, submission: Submission, rid: str, session: str | None, share: FairShare = DEFAULT_SHARE
+    ) -> Request:
         """A request ready to be added: its prompt encoded (outside the lock: it may tokenize) and checked."""
         from engine.tokenizer import IncrementalDetokenizer
 
@@ -103,7 +106,8 @@ class EngineCore:
         self.encoder.check_fits(len(ids), params.max_tokens)
         spans = SpanMap(tokenized.spans or (TokenSpan(0, len(ids), UNTYPED),), fill=GENERATED)
         root = self.cache.root(namespace)
-        seq = Seq(rid, ids, params, root, spans=spans, session=session, system_tokens=tokenized.system_tokens)
+        system = tokenized.system_tokens
+        seq = Seq(rid, ids, params, root, spans=spans, session=session, system_tokens=system, share=share)
         state = self.sampler.new_state(params, self.encoder.tokenizer.eos_token_ids, rid, prompt_token_ids=ids)
         return Request(seq, state, IncrementalDetokenizer(self.encoder.tokenizer, ids, params.stop), sink)
 

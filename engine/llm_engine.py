@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore, Submission
 from engine.engine_info import EngineInfo, EngineStats
 from engine.errors import EngineError, EngineStopped, InvalidRequestError
+from engine.fair_share import DEFAULT_SHARE, FairShare
 from engine.kv.block_hash import BlockHash
 from engine.kv.cache_control import ErasureResult, PinResult
 from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult
@@ -194,6 +195,7 @@ class LLMEngine:
         namespace: str = "default",
         request_id: str | None = None,
         session: str | None = None,
+        share: FairShare = DEFAULT_SHARE,
     ) -> AsyncGenerator[GenerationEvent, None]:
         """Stream ``TokenDelta`` events (one per sampled token, then one with any text held back to the end), then one
         ``RequestFinished``. The one bridge from the step thread to asyncio.
@@ -201,7 +203,8 @@ class LLMEngine:
         A prompt that needs tokenizing is registered in a worker thread (the event loop never tokenizes); a
         ``TokenizedPrompt`` or token ids are registered at once. Closing the iterator early aborts the request, as
         does cancelling it while it registers (once registered); ``abort(request_id)`` works from the moment this
-        is first iterated. Raises ``EngineBusy`` (admission), ``InvalidRequestError`` subclasses, ``EngineStopped``.
+        is first iterated. ``share`` names the tenant it is charged to for fair scheduling (``engine.fair_share``).
+        Raises ``EngineBusy`` (admission), ``InvalidRequestError`` subclasses, ``EngineStopped``.
         """
         if not self.is_running:
             raise EngineStopped("the engine is not running")
@@ -222,11 +225,13 @@ class LLMEngine:
         done = False
         try:
             if offload:  # NOTE: shielded: a cancelled caller leaves the registration to finish (then aborts it)
-                registering = asyncio.ensure_future(asyncio.to_thread(self._register, [submission], [rid], session))
+                registering = asyncio.ensure_future(
+                    asyncio.to_thread(self._register, [submission], [rid], session, share)
+                )
                 registering.add_done_callback(lambda f: f.cancelled() or f.exception())  # (retrieved: never logged)
                 await asyncio.shield(registering)
             else:
-                self._register([submission], [rid], session)
+                self._register([submission], [rid], session, share)
             while not done:
                 event = await queue.get()
                 if isinstance(event, EngineError):
@@ -246,31 +251,35 @@ class LLMEngine:
         sink: Sink,
         request_id: str | None = None,
         session: str | None = None,
+        share: FairShare = DEFAULT_SHARE,
     ) -> str:
         """Register a request whose events go to ``sink`` (called from the step thread). Returns its id.
 
         ``session`` (optional) names the conversation the request belongs to, so ``release_session`` can later free
         the blocks only that conversation uses.
         """
-        return self.submit_many([(prompt, params, namespace, sink)], [request_id], session)[0]
+        return self.submit_many([(prompt, params, namespace, sink)], [request_id], session, share)[0]
 
     def submit_many(
         self,
         requests: Sequence[Submission],
         request_ids: Sequence[str | None] | None = None,
         session: str | None = None,
+        share: FairShare = DEFAULT_SHARE,
     ) -> list[str]:
         """Register several requests at once: all or none, and the step loop sees them together (one batch)."""
         ids = [rid or uuid.uuid4().hex for rid in (request_ids or [None] * len(requests))]
         with self._lock:
             self.core.table.claim(ids)
-        return self._register(requests, ids, session)
+        return self._register(requests, ids, session, share)
 
-    def _register(self, requests: Sequence[Submission], ids: list[str], session: str | None) -> list[str]:
+    def _register(
+        self, requests: Sequence[Submission], ids: list[str], session: str | None, share: FairShare = DEFAULT_SHARE
+    ) -> list[str]:
         """Encode and check claimed requests (outside the lock), then hand them to the scheduler together."""
         core = self.core
         try:
-            prepared = [core.prepare(s, rid, session) for s, rid in zip(requests, ids, strict=True)]
+            prepared = [core.prepare(s, rid, session, share) for s, rid in zip(requests, ids, strict=True)]
             with self._lock:
                 core.table.add(prepared)
                 for r in prepared:

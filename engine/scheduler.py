@@ -4,7 +4,19 @@ One ``schedule()`` call plans one model step:
 
 1. running sequences that decode (one token each), oldest admission first;
 2. running sequences still prefilling (a chunk each), within the step's token budget;
-3. waiting sequences, first come first served, while the budget, ``max_num_seqs`` and the pool allow.
+3. waiting sequences, fairly by tenant (below), while the budget, ``max_num_seqs`` and the pool allow.
+
+Fair share (``engine.fair_share``, VTC): every tenant has a virtual token counter that grows with the tokens
+planned for it (prefill chunks and decodes; prefix-cache hits are free) divided by its weight. Admission takes the
+waiting sequence of the tenant with the smallest counter (inside it, of the session with the smallest counter; then
+the oldest), and running prefills take the step's budget in that order too, so one tenant's burst cannot hold
+another's reply. A tenant back from idle is lifted to the smallest active counter: idling banks no credit. Alone, a
+tenant gets the whole engine. Scheduling decides only when a token is computed, never its value.
+
+When every running slot is taken and the fairest waiting sequence's tenant has nothing running, one running sequence
+of the tenant that holds the most slots, beyond its even share, is preempted for it (one a step). Without that, a
+burst admitted together finishes together, and the next tenant waits for the whole burst's replies, however small
+its counter.
 
 While other sequences are in flight, a prefill chunk takes at most ``long_prefill_chunk`` tokens of the step (alone,
 a prompt takes the whole budget): a long cold prompt then advances a chunk a step beside the others, and a new
@@ -22,11 +34,12 @@ reported in ``SchedulerOutput.rejected`` (the engine fails it with ``PromptTooLo
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.errors import EngineBusy, InvalidRequestError
+from engine.fair_share import FairCounters
 from engine.kv.kv_cache_manager import KVCacheManager, MatchResult
 from engine.sequence import Sequence, SequenceStatus
 
@@ -111,6 +124,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self._seqs: dict[str, Sequence] = {}
+        self.fair = FairCounters()
 
     @property
     def num_waiting(self) -> int:
@@ -142,6 +156,7 @@ class Scheduler:
             raise EngineBusy(f"{len(self.waiting)} requests are already waiting", self.config.retry_after_s)
         self.waiting.append(seq)
         self._seqs[seq.request_id] = seq
+        self.fair.enter(seq.share, seq.fair_session)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Abort a waiting or running sequence and free its blocks. Returns None for an unknown (or finished) id."""
@@ -161,6 +176,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.kv.free(seq.request_id)
+        self.fair.leave(seq.share, seq.fair_session)
         seq.status = status
 
     def schedule(self) -> SchedulerOutput:
@@ -169,14 +185,12 @@ class Scheduler:
         self._schedule_running(step, decodes=False)
         # NOTE: no admission in a step that preempted: the pool is already short, a new sequence would only be
         # preempted in turn (the same rule as vLLM).
-        # NOTE: a sequence whose prefix is still loading from disk is passed over, not waited for; the rest keep order.
-        # (iterated over a copy only when there is room: _admit removes what it admits)
-        if step.budget > 0 and len(self.running) < self.config.max_num_seqs and not step.preempted:
-            for seq in list(self.waiting):
-                if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs or step.preempted:
-                    break
-                if not seq.loading and not self._admit(seq, step):
-                    break
+        while step.budget > 0 and len(self.running) < self.config.max_num_seqs and not step.preempted:
+            seq = self._next_waiting()
+            if seq is None or not self._admit(seq, step):
+                break
+        if step.budget > 0 and len(self.running) >= self.config.max_num_seqs and not step.preempted:
+            self._hand_over_a_slot(step)
         return SchedulerOutput(list(step.scheduled.values()), step.preempted, step.rejected)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
@@ -194,8 +208,51 @@ class Scheduler:
             if end // self.config.block_size > item.start_pos // self.config.block_size:  # a block became full
                 self.kv.cache_full_blocks(seq.request_id, seq.root, seq.all_token_ids, end, owner=seq.session)
 
+    def _next_waiting(self) -> Sequence | None:
+        """The waiting sequence to admit next: smallest tenant counter; inside the tenant, a preempted sequence first
+        (its reply stalled mid-stream), then the session with the smallest counter, then the oldest (the front of
+        the queue, where a preempted sequence goes back).
+
+        NOTE: a sequence whose prefix is still loading from disk is passed over, not waited for.
+        """
+        ready = (seq for seq in self.waiting if not seq.loading)
+        return min(ready, key=self._rank, default=None)
+
+    def _rank(self, seq: Sequence) -> tuple[float, bool, float]:
+        tenant, session = self.fair.rank(seq.share, seq.fair_session)
+        return tenant, seq.num_preemptions == 0, session
+
+    def _hand_over_a_slot(self, step: _Step) -> None:
+        """All slots are taken: when the fairest waiting sequence's tenant has none, preempt the newest running
+        sequence of the tenant holding the most slots beyond an even share, and admit the waiting one instead.
+
+        NOTE: cheap for the victim: its full blocks are published, so its recompute is mostly a prefix hit; and
+        bounded: only a tenant with nothing running takes a slot, from one over its share, at most once a step.
+        """
+        seq = self._next_waiting()
+        if seq is None:
+            return
+        held = Counter(s.share.tenant for s in self.running)
+        if held[seq.share.tenant]:
+            return
+        tenant, count = held.most_common(1)[0]
+        counters = self.fair.tenants
+        # NOTE: "beyond an even share" (at least one slot kept) is what keeps two tenants from taking a slot back and
+        # forth: the one that just got its slot holds no more than its share.
+        share = max(1.0, self.config.max_num_seqs / (len(held) + 1))
+        if count <= share or counters.counter(tenant) <= counters.counter(seq.share.tenant):
+            return
+        victim = next(s for s in reversed(self.running) if s.share.tenant == tenant)
+        self._preempt(victim, step)
+        self._admit(seq, step)  # (short of blocks even now, it waits in front: nothing is lost)
+
     def _schedule_running(self, step: _Step, decodes: bool) -> None:
-        for seq in list(self.running):
+        # NOTE: decodes in admission order (one token each: the budget rarely runs out before them); prefill chunks
+        # by fair rank, so the step's budget goes to the tenant that has been served least.
+        seqs = list(self.running)
+        if not decodes:
+            seqs.sort(key=lambda seq: self.fair.rank(seq.share, seq.fair_session))
+        for seq in seqs:
             if step.budget <= 0:
                 return
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -229,7 +286,7 @@ class Scheduler:
         num_new = min(seq.num_tokens - match.num_cached_tokens, step.budget, self._chunk_cap())
         if not self.kv.allocate_slots(seq.request_id, match.num_cached_tokens + num_new, match, seq.spans):
             if self.running:
-                return False  # FCFS: the head waits for blocks; nobody overtakes it
+                return False  # the fairest waits for blocks; nobody overtakes it (else a long prompt could starve)
             self._reject(seq, step)
             return True
         self.waiting.remove(seq)
@@ -259,6 +316,8 @@ class Scheduler:
         table = self.kv.block_table(seq.request_id)
         step.scheduled[seq.request_id] = ScheduledSeq(seq, start, num_new, table, start + num_new == seq.num_tokens)
         step.budget -= num_new
+        # NOTE: billed when planned, not after the step: the next pick of this same step must see it.
+        self.fair.charge(seq.share, seq.fair_session, num_new)
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
         self.running.remove(seq)
@@ -266,6 +325,7 @@ class Scheduler:
         planned = step.scheduled.pop(seq.request_id, None)
         if planned is not None:  # NOTE: it was planned earlier in this step; give its tokens back to the budget
             step.budget += planned.num_new_tokens
+            self.fair.charge(seq.share, seq.fair_session, -planned.num_new_tokens)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

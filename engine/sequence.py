@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.errors import EmptyPromptError
+from engine.fair_share import DEFAULT_SHARE, FairShare
 from engine.kv.block_hash import BlockHash
 from engine.kv.block_meta import SpanMap
 from engine.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class Sequence:
     loading: bool = False
     promoted: frozenset[BlockHash] = frozenset()
     num_disk_cached_tokens: int = 0  # of num_cached_tokens, those promoted from disk for this request
+    share: FairShare = DEFAULT_SHARE  # the tenant it is charged to (engine.fair_share); one shared one by default
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -73,6 +75,11 @@ class Sequence:
         """Record the values a step computed for positions ``start + 1 ..`` (a recompute writes the same slots)."""
         if self.prompt_logprobs is not None:
             self.prompt_logprobs[start + 1 : start + 1 + len(values)] = values
+
+    @property
+    def fair_session(self) -> str:
+        """Its key among its tenant's requests for fair scheduling: the chat session, or itself without one."""
+        return self.session if self.session is not None else self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -12,6 +12,7 @@ from backend.core.admission import Admission
 from backend.core.config import Settings
 from backend.core.metrics import Metrics
 from backend.core.namespaces import Namespaces
+from backend.core.tenant_quota import QuotaGate
 from backend.engine_client.protocol import EngineClient
 from backend.openai.service import ChatCompletions
 
@@ -27,3 +28,4 @@ class AppState:
     metrics: Metrics
     namespaces: Namespaces  # every engine call's cache namespace comes from here (backend/core/namespaces.py)
     admission: Admission  # /v1 requests in flight (backend/core/admission.py)
+    quotas: QuotaGate  # the tenants' weights and quotas, and their use (backend/core/tenant_quota.py)

@@ -22,7 +22,7 @@ from backend.chat.protocol import MessageDelta
 from backend.chat.turn_state import Turn
 from backend.core.metrics import Metrics
 from backend.engine_client.protocol import EngineClient
-from backend.engine_client.values import RequestFinished, SamplingParams, TokenDelta, TokenizedPrompt
+from backend.engine_client.values import FairShare, RequestFinished, SamplingParams, TokenDelta, TokenizedPrompt
 
 ShownLength = Callable[[str], int]
 
@@ -50,7 +50,8 @@ class ReplyStreamer:
         """
         text, published, finished = "", 0, None
         timer = self._metrics.reply_timer(turn.tenant_id) if self._metrics is not None else None
-        stream = self._engine.generate(prompt, params, turn.namespace, turn.request_id, turn.session_id)
+        share = FairShare(turn.tenant_id)  # (the engine's quotas gate sets the tenant's weight: core/tenant_quota.py)
+        stream = self._engine.generate(prompt, params, turn.namespace, turn.request_id, turn.session_id, share)
         async with aclosing(stream):
             async for event in stream:
                 if isinstance(event, TokenDelta):

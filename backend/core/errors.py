@@ -26,7 +26,8 @@ Context-layer errors (``backend.context.errors``: ``invalid_rule``, ``invalid_se
 
 Authentication failures are answered at the boundary itself (401 / close 4401). Engine errors (``engine.errors``)
 are mapped by ``engine_error_code`` below: busy → ``busy`` (websocket error frame with ``retry_after_ms``; HTTP 503 +
-Retry-After), prompt too long → ``prompt_too_long``, invalid params → ``invalid_request``, engine stopped →
+Retry-After), a tenant over its quota (``backend/core/tenant_quota.RateLimited``) → ``rate_limited`` (the same frame;
+HTTP 429 + Retry-After), prompt too long → ``prompt_too_long``, invalid params → ``invalid_request``, engine stopped →
 ``unavailable``. The OpenAI-compatible API maps them to OpenAI's error shape in ``backend/openai/errors.py``.
 """
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from backend.core.tenant_quota import RateLimited
 from backend.engine_client.values import EngineBusy, EngineError, EngineStopped, InvalidRequestError, PromptTooLongError
 
 # The stable ``code`` of an HTTP error that carries none of its own (both error shapes use it).
@@ -168,6 +170,8 @@ class InvalidToolError(BackendError):
 
 
 def engine_error_code(exc: EngineError) -> str:
+    if isinstance(exc, RateLimited):
+        return "rate_limited"
     if isinstance(exc, EngineBusy):
         return "busy"
     if isinstance(exc, PromptTooLongError):

@@ -2,8 +2,10 @@
 
 Engine gauges and counters are read from ``EngineClient.stats()`` when ``/metrics`` is scraped (nothing to keep in
 step); latency histograms are observed as replies stream. Each app owns its registry, so several apps in one process
-(tests) never collide. NOTE: no label ever carries a user, session or tenant identifier: a label value per customer
-would grow the series without bound and leak who uses the service.
+(tests) never collide. NOTE: no label ever carries a user or session identifier: a label value per customer would
+grow the series without bound and leak who uses the service. The fair-share series (``kvchat:tenant_*``) are the one
+exception, by tenant id: tenants are created by the operator (bounded), their ids are opaque, and per-tenant served
+tokens, queue time and refusals are what an operator needs to see that the shares and quotas hold.
 """
 
 from __future__ import annotations
@@ -160,6 +162,25 @@ class Metrics:
         self.db_latency = Histogram(
             "kvchat:db_query_duration_seconds", "Database statement latency.", buckets=_DB_BUCKETS, registry=r
         )
+        self.tenant_served = Counter(
+            "kvchat:tenant_served_tokens",
+            "Tokens the engine computed per tenant (prompt tokens prefilled + completion tokens), by kind.",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_queue = Histogram(
+            "kvchat:tenant_queue_seconds",
+            "Time a tenant's requests waited in the engine before they were first scheduled.",
+            ["tenant"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tenant_refusals = Counter(
+            "kvchat:tenant_refusals",
+            "Requests refused by the tenant's quota, by reason.",
+            ["tenant", "reason"],
+            registry=r,
+        )
 
         self.recent = RecentReplies()
 
@@ -172,6 +193,16 @@ class Metrics:
 
     def reply_timer(self, tenant_id: str) -> ReplyTimer:
         return ReplyTimer(self, tenant_id)
+
+    def tenant_served_request(self, tenant_id: str, stats: RequestStats) -> None:
+        """A tenant's request finished (``backend/core/tenant_quota.QuotaGate.on_served``)."""
+        self.tenant_served.labels(tenant_id, "prompt").inc(stats.prefilled_tokens)
+        self.tenant_served.labels(tenant_id, "completion").inc(stats.completion_tokens)
+        self.tenant_queue.labels(tenant_id).observe(stats.queue_s)
+
+    def tenant_refused(self, tenant_id: str, reason: str) -> None:
+        """A tenant's request was refused by its quota (``QuotaGate.on_refused``)."""
+        self.tenant_refusals.labels(tenant_id, reason).inc()
 
 
 @dataclass(frozen=True, slots=True)

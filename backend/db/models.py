@@ -289,3 +289,15 @@ class TenantTool(Base):
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+
+
+class TenantFairShare(Base):
+    """A tenant's weight and quotas (``backend/core/tenant_quota.py``); no row means weight 1 and no limits."""
+
+    __tablename__ = "tenant_fair_share"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)

@@ -23,11 +23,13 @@ from collections.abc import AsyncGenerator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from backend.engine_client.values import (
+    DEFAULT_SHARE,
     CacheFootprint,
     CacheSettings,
     EngineInfo,
     EngineStats,
     ErasureResult,
+    FairShare,
     GenerationEvent,
     InvalidationResult,
     PinResult,
@@ -89,8 +91,10 @@ class EngineClient(Protocol):
         namespace: str = "default",
         request_id: str | None = None,
         session: str | None = None,
+        share: FairShare = DEFAULT_SHARE,
     ) -> AsyncGenerator[GenerationEvent, None]:
-        """Stream the reply; raises the engine's errors (``backend/engine_client/values.py``) from the iterator."""
+        """Stream the reply; raises the engine's errors (``backend/engine_client/values.py``) from the iterator.
+        ``share``: the tenant (and its weight) the engine's fair scheduler charges the request to."""
         ...
 
     def abort(self, request_id: str) -> None:

@@ -47,6 +47,7 @@ from backend.engine_client.replica_report import (
     ReportedPin,
 )
 from backend.engine_client.values import (
+    DEFAULT_SHARE,
     CacheFootprint,
     CacheSettings,
     EngineBusy,
@@ -55,6 +56,7 @@ from backend.engine_client.values import (
     EngineStats,
     EngineStopped,
     ErasureResult,
+    FairShare,
     FinishReason,
     GenerationEvent,
     InvalidationResult,
@@ -247,8 +249,13 @@ class RemoteEngine:
         namespace: str = "default",
         request_id: str | None = None,
         session: str | None = None,
+        share: FairShare = DEFAULT_SHARE,
     ) -> AsyncGenerator[GenerationEvent, None]:
-        """Stream the reply from whichever replica the router picks for ``session``; retried before its first token."""
+        """Stream the reply from whichever replica the router picks for ``session``; retried before its first token.
+
+        NOTE: ``share`` does not travel: a replica (ours or vLLM) schedules its own queue; the backend's quotas
+        (``backend/core/tenant_quota.py``) still hold at the edge.
+        """
         if self._http is None:
             raise EngineStopped("the remote engine is not running")
         rid, params = request_id or uuid.uuid4().hex, params or SamplingParams()

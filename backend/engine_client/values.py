@@ -19,6 +19,7 @@ from engine.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
+from engine.fair_share import DEFAULT_SHARE, FairShare
 from engine.kv.cache_control import ErasureResult, PinResult
 from engine.kv.cache_stats import CacheStats
 from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult
@@ -30,6 +31,7 @@ from engine.prompt_encoder import Prompt
 from engine.sampling_params import MAX_LOGPROBS, GrammarKind, SamplingParams, StructuredOutput
 
 __all__ = [
+    "DEFAULT_SHARE",
     "MAX_LOGPROBS",
     "CacheFootprint",
     "CacheSettings",
@@ -41,6 +43,7 @@ __all__ = [
     "EngineStats",
     "EngineStopped",
     "ErasureResult",
+    "FairShare",
     "FinishReason",
     "GenerationEvent",
     "GrammarKind",

@@ -13,6 +13,7 @@ unknown path or an oversized body, get the same shape from ``backend/api/boundar
     empty prompt                                400   invalid_request_error   empty_prompt
     prompt + max_tokens over the context        400   invalid_request_error   context_length_exceeded
     unknown model                               404   invalid_request_error   model_not_found
+    tenant over its quota (RateLimited)         429   invalid_request_error   rate_limited (+ Retry-After)
     engine queue full (EngineBusy)              503   server_error            busy  (+ Retry-After)
     engine stopped                              503   server_error            unavailable (+ Retry-After)
     any other engine failure                    500   server_error            engine_error
@@ -31,6 +32,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.core.errors import HTTP_STATUS_CODES, error_location, error_problem
+from backend.core.tenant_quota import RateLimited
 from backend.engine_client.values import (
     EmptyPromptError,
     EngineBusy,
@@ -109,6 +111,8 @@ def from_engine_error(exc: EngineError) -> OpenAIError:
         return OpenAIError(400, str(exc), "empty_prompt", param="messages")
     if isinstance(exc, InvalidRequestError):
         return OpenAIError(400, str(exc), "invalid_request")
+    if isinstance(exc, RateLimited):
+        return OpenAIError(429, str(exc), "rate_limited", retry_after_s=exc.retry_after_s)
     if isinstance(exc, EngineBusy):
         return OpenAIError(503, str(exc), "busy", error_type=SERVER_ERROR, retry_after_s=exc.retry_after_s)
     if isinstance(exc, EngineStopped):

@@ -35,6 +35,7 @@ from backend.core.offload import run_cpu
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import (
     EngineError,
+    FairShare,
     GenerationEvent,
     InvalidSamplingParamsError,
     RequestFinished,
@@ -195,7 +196,8 @@ class ChatCompletions:
             for i, choice_params in enumerate(params.choices(planned.n)):
                 request_id = meta.id if i == 0 else f"{meta.id}-{i}"
                 timer = self.metrics.reply_timer(tenant_id) if self.metrics else None
-                events = self.engine.generate(prompt, choice_params, namespace, request_id=request_id)
+                share = FairShare(tenant_id)  # (weighted, or refused, by the tenants' quotas: core/tenant_quota.py)
+                events = self.engine.generate(prompt, choice_params, namespace, request_id=request_id, share=share)
                 run.replies.append(Reply(self.engine, request_id, events, timer))
                 if i == 0:
                     run.firsts.append(await self._first(run.replies[0], planned))

@@ -1,6 +1,6 @@
-"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002, 0004-0010, 0013
-and 0014 up and down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change, write a
-migration)."""
+"""Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002, 0004-0010, 0013,
+0014 and 0011 up and down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change,
+write a migration)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ TABLES_0002 = {"splitter_rules", "semantic_blocks", "topic_history", "invalidati
 TABLES_0004 = {"admin_audit"}
 TABLES_0008 = {"tenant_reply_settings", "tenant_tools"}
 TABLES_0010 = {"handbook_sections"}
-EXPECTED_TABLES = TABLES_0001 | TABLES_0002 | TABLES_0004 | TABLES_0008 | TABLES_0010
+TABLES_0011 = {"tenant_fair_share"}
+EXPECTED_TABLES = TABLES_0001 | TABLES_0002 | TABLES_0004 | TABLES_0008 | TABLES_0010 | TABLES_0011
 SESSION_COLUMNS_0002 = {"semantic_temperature", "topic_epoch"}
 
 
@@ -311,6 +312,40 @@ def test_postgres_v1_contact_guard_revision_up_and_down(pg_empty_url: str) -> No
 
 def test_sqlite_v1_contact_guard_revision_up_and_down(tmp_path: Path) -> None:
     _v1_contact_guard_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+
+
+def _fair_share_up_and_down(url: str) -> None:
+    """0014 → 0011 adds ``tenant_fair_share`` (a tenant's weight and quotas); back to 0014 it goes, the tenant stays."""
+    migrate.upgrade(url, "0014")
+    asyncio.run(
+        _execute(
+            url, "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', '', '2026-01-01')"
+        )
+    )
+    migrate.upgrade(url, "0011")
+    asyncio.run(
+        _execute(
+            url,
+            "INSERT INTO tenant_fair_share (tenant_id, weight, tokens_per_minute, max_concurrent, updated_at)"
+            " VALUES ('t1', 2.0, 6000, NULL, '2026-01-01')",
+        )
+    )
+    rows = asyncio.run(
+        _execute(url, "SELECT tenant_id, weight, tokens_per_minute, max_concurrent FROM tenant_fair_share")
+    )
+    assert rows == [("t1", 2.0, 6000, None)]
+    migrate.downgrade(url, "0014")
+    assert "tenant_fair_share" not in asyncio.run(_tables(url))
+    assert asyncio.run(_execute(url, "SELECT name FROM tenants")) == [("acme",)]
+
+
+@pytest.mark.postgres
+def test_postgres_fair_share_revision_up_and_down(pg_empty_url: str) -> None:
+    _fair_share_up_and_down(pg_empty_url)
+
+
+def test_sqlite_fair_share_revision_up_and_down(tmp_path: Path) -> None:
+    _fair_share_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
 
 
 @pytest.mark.postgres

@@ -8,6 +8,7 @@ import dataclasses
 import json
 from collections.abc import AsyncGenerator
 
+from engine.fair_share import DEFAULT_SHARE, FairShare
 from engine.llm_engine import LLMEngine
 from engine.outputs import GenerationEvent
 from engine.prompt_encoder import Prompt
@@ -26,8 +27,9 @@ class ForcedReplyEngine(LLMEngine):
         namespace: str = "default",
         request_id: str | None = None,
         session: str | None = None,
+        share: FairShare = DEFAULT_SHARE,
     ) -> AsyncGenerator[GenerationEvent, None]:
         grammar = StructuredOutput(GrammarKind.LARK, f"start: {json.dumps(self.forced)}")
         forced = dataclasses.replace(params or SamplingParams(), structured=grammar)
-        async for event in super().generate(prompt, forced, namespace, request_id, session):
+        async for event in super().generate(prompt, forced, namespace, request_id, session, share):
             yield event

@@ -20,6 +20,7 @@ from backend.context.contacts import ContactKind
 from backend.context.grounding import Grounding
 from backend.db.engine import create_db_engine, create_sessionmaker
 from backend.engine_client.values import (
+    FairShare,
     FinishReason,
     GrammarKind,
     RequestFinished,
@@ -59,7 +60,13 @@ class ScriptedEngine:
         return TokenizedPrompt(list(range(len(prompt.messages))))
 
     async def generate(
-        self, prompt: TokenizedPrompt, params: SamplingParams, namespace: str, request_id: str, session: str
+        self,
+        prompt: TokenizedPrompt,
+        params: SamplingParams,
+        namespace: str,
+        request_id: str,
+        session: str,
+        share: FairShare | None = None,
     ) -> AsyncIterator[TokenDelta | RequestFinished]:
         chunks = self.replies[len(self.requests)]
         self.requests.append((request_id, params))
