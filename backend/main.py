@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from backend.api import boundary, docs
 from backend.api.routes import (
+    admin_agents,
     admin_audit,
     admin_cache,
     admin_reply,
@@ -27,6 +28,7 @@ from backend.api.routes import (
     admin_stats,
     admin_tenant,
     admin_tools,
+    agent_inbox,
     chat_ws,
     health,
     openai_api,
@@ -110,6 +112,8 @@ def create_app(
     app.include_router(admin_rules.router)
     app.include_router(admin_audit.router)
     app.include_router(admin_cache.router)
+    app.include_router(admin_agents.router)
+    app.include_router(agent_inbox.router)
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

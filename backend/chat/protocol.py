@@ -2,7 +2,8 @@
 
 Client → server: ``hello`` (first frame: auth + optional resume), ``user.message``, ``cancel``, ``ping``.
 Server → client: ``welcome``, ``message.ack``, ``message.delta``, ``message.completed``, ``session.status``,
-``session.topic``, ``error``, ``pong``.
+``session.topic``, ``error``, ``pong``; and human agents' frames (``backend/chat/agent_protocol.py``):
+``agent.message``, ``session.agent``, ``typing``, ``session.queue``.
 
 Close codes (named here, used by the connection handler): 1008 policy (Origin not allowed), 1009 message too big,
 1011 internal error, 1012 server restarting, 1013 try again later (connection cap), 4401 unauthorized,
@@ -18,6 +19,15 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
+from backend.chat.agent_protocol import (
+    AgentMessageFrame,
+    InboxChangedFrame,
+    InboxHandoffFrame,
+    InboxMessageFrame,
+    SessionAgentFrame,
+    SessionQueueFrame,
+    TypingFrame,
+)
 from backend.core.errors import error_location, error_problem
 from backend.core.limits import ExternalRef, Identifier, SafeText, Seq, SessionId, json_too_deep, text_problem
 
@@ -92,6 +102,7 @@ class MessageOut(_Frame):
     client_msg_id: str | None = None
     reply_to_seq: int | None = None
     created_at: datetime
+    agent_name: str | None = None  # role ``agent``: the person who wrote it
 
 
 class InFlight(_Frame):
@@ -180,7 +191,22 @@ class Pong(_Frame):
 
 
 ServerFrame = (
-    Welcome | MessageAck | MessageDelta | MessageCompleted | SessionStatusFrame | SessionTopicFrame | ErrorFrame | Pong
+    Welcome
+    | MessageAck
+    | MessageDelta
+    | MessageCompleted
+    | SessionStatusFrame
+    | SessionTopicFrame
+    | ErrorFrame
+    | Pong
+    # (human agents': backend/chat/agent_protocol.py)
+    | AgentMessageFrame
+    | SessionAgentFrame
+    | TypingFrame
+    | SessionQueueFrame
+    | InboxHandoffFrame
+    | InboxChangedFrame
+    | InboxMessageFrame
 )
 
 

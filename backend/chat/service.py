@@ -33,6 +33,7 @@ from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from backend.chat.agent_desk import WAITING, AgentDesk
 from backend.chat.hub import Send, SessionHub
 from backend.chat.prompt import ChatMessage, asks_for_human
 from backend.chat.protocol import (
@@ -55,18 +56,24 @@ from backend.core.errors import MessageTooLongError, SessionClosedError, Shuttin
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
 from backend.db.models import Message, Tenant
-from backend.domain import InvalidationReason, MessageRole, MessageStatus, SessionStatus
+from backend.domain import HandoffReason, InvalidationReason, MessageRole, MessageStatus, SessionStatus
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import ErasureResult
+from backend.services import agents
 from backend.services import sessions as store
+from backend.services.agents import ADMIN_NAME
 from backend.services.context_service import SYSTEM_ACTOR, ContextService, SessionContext
 from backend.services.key_lookup import KeyLookup
 
 log = logging.getLogger("kvchat.chat")
 
 
-def message_out(m: Message) -> MessageOut:
+def message_out(m: Message, agent_names: dict[str, str] | None = None) -> MessageOut:
+    agent_name = None
+    if m.role == MessageRole.AGENT.value:  # (an admin key's reply, or a person deleted since: the support team)
+        agent_name = (agent_names or {}).get(m.agent_id or "", ADMIN_NAME)
     return MessageOut(
+        agent_name=agent_name,
         seq=m.seq,
         role=m.role,
         content=m.content,
@@ -94,6 +101,7 @@ class ChatService:
         self.hub = hub
         self.keys = KeyLookup(sessionmaker, hub.keys)  # chat tokens, looked up once per burst (hello, /v1)
         self._metrics = metrics
+        self.desk = AgentDesk(sessionmaker, hub, context.changed)  # human agents (backend/chat/agent_desk.py)
         self._runner = TurnRunner(sessionmaker, engine, context, hub, reply or ReplyConfig(), metrics, commit_delay_s)
         self._turns = Turns(engine)
 
@@ -123,6 +131,7 @@ class ChatService:
                 session = await store.create_session(db, tenant.id, hello.external_ref)
                 await db.commit()
                 missed = []
+            names = await agents.names_of(db, {m.agent_id for m in missed if m.agent_id is not None})
             last_seq = max((m.seq for m in missed), default=hello.last_seq)
         # NOTE: no await from here until the caller subscribes the socket: the text so far and the frames that
         # follow meet without a gap or an overlap, for this process's turns and (through the fan-out) the others'
@@ -132,7 +141,7 @@ class ChatService:
         return Welcome(
             session_id=session.id,
             status=session.status,
-            messages=[message_out(m) for m in missed],
+            messages=[message_out(m, names) for m in missed],
             last_seq=last_seq,
             in_flight=InFlight(client_msg_id=in_flight.client_msg_id, text=in_flight.text) if in_flight else None,
             cut_off=[
@@ -176,6 +185,7 @@ class ChatService:
             await store.set_status(db, session_id, status)
         self.hub.publish(session_id, SessionStatusFrame(session_id=session_id, status=status.value))
         if status == SessionStatus.CLOSED:
+            await self.desk.session_closed(session_id)
             freed = await self.release_cache(session_id)
             await self.context.record_release(session_id, freed, reason, actor)
 
@@ -261,6 +271,8 @@ class ChatService:
         elif status == before:
             # NOTE: tell the sender no bot reply is coming (a status change was already published to everyone).
             reply_to(SessionStatusFrame(session_id=session_id, status=status.value))
+            if status in WAITING and not duplicate:
+                await self.desk.customer_wrote(tenant.id, message, status)
 
     async def _observe_customer(self, tenant_id: str, session_id: str, message: Message) -> SessionContext | None:
         """Split the message, move the topic; announce a topic shift to every socket of the session. Returns the
@@ -293,8 +305,7 @@ class ChatService:
             status = SessionStatus.BOT_ACTIVE  # a customer reply reopens a resolved session
             await self.set_status(session_id, status)
         if status == SessionStatus.BOT_ACTIVE and asks_for_human(text):
-            status = SessionStatus.AGENT_REQUESTED
-            await self.set_status(session_id, status)
+            status = await self.desk.handoff(session_id, HandoffReason.CUSTOMER_ASKED)
         return status
 
     def cancel(self, session_id: str, client_msg_id: str | None) -> bool:

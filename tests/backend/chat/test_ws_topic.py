@@ -66,6 +66,7 @@ async def test_a_chinese_handoff_request_sets_agent_requested(live: LiveServer, 
         assert (await chat.recv())["type"] == "message.ack"
         status = await chat.recv()
         assert status == {"type": "session.status", "session_id": session_id, "status": "agent_requested"}
+        assert (await chat.recv())["type"] == "session.queue"  # (issue 41: the place in the queue)
         await chat.send(type="ping")
         assert (await chat.recv())["type"] == "pong"  # no bot reply was generated
     messages = await _rows(live, Message, session_id)
