@@ -29,6 +29,7 @@ from backend.api.routes import (
     admin_tenant,
     admin_tools,
     agent_inbox,
+    agent_ws,
     chat_ws,
     health,
     openai_api,
@@ -114,6 +115,7 @@ def create_app(
     app.include_router(admin_cache.router)
     app.include_router(admin_agents.router)
     app.include_router(agent_inbox.router)
+    app.include_router(agent_ws.router)
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

@@ -1,6 +1,6 @@
 """The chat websocket protocol: typed JSON envelopes, each with a ``type`` field.
 
-Client → server: ``hello`` (first frame: auth + optional resume), ``user.message``, ``cancel``, ``ping``.
+Client → server: ``hello`` (first frame: auth + optional resume), ``user.message``, ``cancel``, ``ping``, ``typing``.
 Server → client: ``welcome``, ``message.ack``, ``message.delta``, ``message.completed``, ``session.status``,
 ``session.topic``, ``error``, ``pong``; and human agents' frames (``backend/chat/agent_protocol.py``):
 ``agent.message``, ``session.agent``, ``typing``, ``session.queue``.
@@ -86,9 +86,16 @@ class Ping(_ClientFrame):
     nonce: Annotated[SafeText, Field(max_length=100)] | None = None
 
 
-ClientFrame = Annotated[Hello | UserMessage | Cancel | Ping, Field(discriminator="type")]
-CLIENT_FRAME: TypeAdapter[Hello | UserMessage | Cancel | Ping] = TypeAdapter(ClientFrame)
-CLIENT_FRAME_TYPES = frozenset({"hello", "user.message", "cancel", "ping"})
+class Typing(_ClientFrame):
+    """The customer is typing (shown to the agent holding the session; send it at most every few seconds)."""
+
+    type: Literal["typing"]
+
+
+AnyClientFrame = Hello | UserMessage | Cancel | Ping | Typing
+ClientFrame = Annotated[AnyClientFrame, Field(discriminator="type")]
+CLIENT_FRAME: TypeAdapter[AnyClientFrame] = TypeAdapter(ClientFrame)
+CLIENT_FRAME_TYPES = frozenset({"hello", "user.message", "cancel", "ping", "typing"})
 
 
 # ---------------------------------------------------------------- server → client
@@ -210,7 +217,7 @@ ServerFrame = (
 )
 
 
-def parse_client_frame(text: str) -> Hello | UserMessage | Cancel | Ping | ErrorFrame:
+def parse_client_frame(text: str) -> AnyClientFrame | ErrorFrame:
     """One client frame, or the ``ErrorFrame`` that refuses it (codes ``bad_json``, ``unknown_type``,
     ``invalid_frame``). Never raises: whatever a client sends, the socket answers and stays open."""
     if json_too_deep(text):
