@@ -129,6 +129,10 @@ def create_app(
     async def dashboard_page() -> FileResponse:
         return FileResponse(FRONTEND_DIR / "dashboard.html", media_type="text/html")
 
+    @app.get("/agent", include_in_schema=False)
+    async def agent_page() -> FileResponse:
+        return FileResponse(FRONTEND_DIR / "agent.html", media_type="text/html")
+
     app.mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static")
 
     return app
