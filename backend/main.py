@@ -22,6 +22,7 @@ from backend.api.routes import (
     admin_agents,
     admin_audit,
     admin_cache,
+    admin_handoff,
     admin_reply,
     admin_rules,
     admin_sessions,
@@ -114,6 +115,7 @@ def create_app(
     app.include_router(admin_audit.router)
     app.include_router(admin_cache.router)
     app.include_router(admin_agents.router)
+    app.include_router(admin_handoff.router)
     app.include_router(agent_inbox.router)
     app.include_router(agent_ws.router)
 

@@ -33,9 +33,11 @@ from backend.chat.agent_protocol import (
 )
 from backend.chat.hub import SessionHub
 from backend.chat.protocol import SessionStatusFrame
+from backend.chat.tool_turn import GRACEFUL_REPLY
+from backend.core.agent_metrics import AgentMetrics
 from backend.db.models import AgentNote, ChatSession, Message
-from backend.domain import HandoffOutcome, HandoffReason, SessionStatus
-from backend.services import agents, inbox
+from backend.domain import HandoffOutcome, HandoffReason, MessageStatus, SessionStatus
+from backend.services import agents, handoff_settings, inbox
 from backend.services import sessions as store
 from backend.services.agents import Actor
 from backend.services.inbox import HandoffChange, QueueEntry
@@ -64,10 +66,17 @@ def entry_frame(e: QueueEntry) -> InboxEntry:
 class AgentDesk:
     """The inbox's steps, announced (see the module's docstring). Runs on the event loop."""
 
-    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], hub: SessionHub, changed: OnChange) -> None:
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        hub: SessionHub,
+        changed: OnChange,
+        metrics: AgentMetrics | None = None,
+    ) -> None:
         self._sm = sessionmaker
         self._hub = hub
         self._changed = changed
+        self._metrics = metrics
 
     # ------------------------------------------------------------------ the customer's side
 
@@ -83,7 +92,10 @@ class AgentDesk:
         async with self._sm() as db:
             entry = next(e for e in await inbox.queue(db, change.tenant_id) if e.session_id == session_id)
         self._hub.publish(inbox_channel(change.tenant_id), InboxHandoffFrame(entry=entry_frame(entry)))
-        await self._announce_places(change.tenant_id, only=session_id)
+        waiting = await self._announce_places(change.tenant_id, only=session_id)
+        if self._metrics is not None:
+            self._metrics.handoffs.labels(reason.value).inc()
+            self._metrics.queue_length.observe(waiting)
         return change.status
 
     async def customer_wrote(self, tenant_id: str, message: Message, status: SessionStatus) -> None:
@@ -94,6 +106,31 @@ class AgentDesk:
         self._hub.publish(inbox_channel(tenant_id), frame)
         if status == SessionStatus.AGENT_REQUESTED:
             await self._announce_places(tenant_id, only=message.session_id)
+
+    async def after_bot_turn(self, tenant_id: str, session_id: str, user_seq: int) -> None:
+        """The bot's own choice (the tenant's hand-off settings): hand off after a failed tool call, or after N
+        replies on one topic. Never fails the turn: a failure here is logged."""
+        try:
+            reason = await self._bot_gives_up(tenant_id, session_id, user_seq)
+            if reason is not None:
+                await self.handoff(session_id, reason)
+        except Exception:
+            log.exception("the hand-off check after %s/%d failed", session_id, user_seq)
+
+    async def _bot_gives_up(self, tenant_id: str, session_id: str, user_seq: int) -> HandoffReason | None:
+        async with self._sm() as db:
+            settings = await handoff_settings.load(db, tenant_id)
+            if not settings.enabled:
+                return None
+            reply = await store.find_reply(db, session_id, user_seq)
+            if reply is None or reply.status != MessageStatus.COMPLETE.value:
+                return None
+            if settings.on_tool_failure and reply.tool_exchange and reply.content.endswith(GRACEFUL_REPLY):
+                return HandoffReason.TOOL_FAILED
+            turns = settings.no_progress_turns
+            if turns and await handoff_settings.bot_turns_on_topic(db, session_id) >= turns:
+                return HandoffReason.NO_PROGRESS
+        return None
 
     def customer_typing(self, tenant_id: str, session_id: str) -> None:
         self._hub.publish(inbox_channel(tenant_id), TypingFrame(session_id=session_id, who="customer"))
@@ -116,6 +153,8 @@ class AgentDesk:
     async def claim(self, actor: Actor, session_id: str) -> HandoffChange:
         async with self._sm() as db:
             change = await inbox.claim(db, actor, session_id)
+        if self._metrics is not None and change.first_wait_s is not None:
+            self._metrics.wait.observe(change.first_wait_s)
         if change.previous_holder_name != change.holder_name:  # (not a retry of one's own claim)
             self._announce(change, "claimed", SessionAgentFrame(session_id=session_id, event="joined"))
             await self._announce_places(change.tenant_id)
@@ -145,7 +184,10 @@ class AgentDesk:
     async def reply(self, actor: Actor, session_id: str, text: str) -> Message:
         """Store the agent's reply and stream it to the customer's sockets (every worker's) and to the inbox."""
         async with self._sm() as db:
-            message = await inbox.reply(db, actor, session_id, text)
+            stored = await inbox.reply(db, actor, session_id, text)
+        message = stored.message
+        if self._metrics is not None and stored.first_reply_s is not None:
+            self._metrics.first_reply.observe(stored.first_reply_s)
         self._changed(session_id)
         frame = AgentMessageFrame(
             session_id=session_id, seq=message.seq, agent_name=actor.name, text=text, created_at=message.created_at
@@ -199,8 +241,9 @@ class AgentDesk:
         )
         self._hub.publish(inbox_channel(change.tenant_id), changed)
 
-    async def _announce_places(self, tenant_id: str, only: str | None = None) -> None:
-        """Tell waiting customers their place (``only``: that session's customer; else all of the tenant's)."""
+    async def _announce_places(self, tenant_id: str, only: str | None = None) -> int:
+        """Tell waiting customers their place (``only``: that session's customer; else all of the tenant's); returns
+        how many wait."""
         async with self._sm() as db:
             waiting = await inbox.waiting_sessions(db, tenant_id)
             expected = await inbox.expected_wait_s(db, tenant_id) if waiting else None
@@ -208,3 +251,4 @@ class AgentDesk:
             if only is None or session_id == only:
                 frame = SessionQueueFrame(session_id=session_id, position=position, expected_wait_s=expected)
                 self._hub.publish(session_id, frame)
+        return len(waiting)

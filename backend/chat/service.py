@@ -52,6 +52,7 @@ from backend.chat.turn import ReplyConfig, TurnRunner
 from backend.chat.turn_state import Turn
 from backend.chat.turns import DrainReport, Turns
 from backend.context.builder import prefix_segments
+from backend.core.agent_metrics import AgentMetrics
 from backend.core.errors import MessageTooLongError, SessionClosedError, ShuttingDownError
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
@@ -101,7 +102,8 @@ class ChatService:
         self.hub = hub
         self.keys = KeyLookup(sessionmaker, hub.keys)  # chat tokens, looked up once per burst (hello, /v1)
         self._metrics = metrics
-        self.desk = AgentDesk(sessionmaker, hub, context.changed)  # human agents (backend/chat/agent_desk.py)
+        # human agents (backend/chat/agent_desk.py)
+        self.desk = AgentDesk(sessionmaker, hub, context.changed, AgentMetrics(metrics.registry) if metrics else None)
         self._runner = TurnRunner(sessionmaker, engine, context, hub, reply or ReplyConfig(), metrics, commit_delay_s)
         self._turns = Turns(engine)
 
@@ -267,12 +269,16 @@ class ChatService:
                 async with self._sm() as db:
                     await store.await_reply(db, message)
             turn = Turn(session_id, tenant.id, frame.client_msg_id, message.seq, context)
-            self._turns.start(turn, self._runner.run)
+            self._turns.start(turn, self._run_turn)
         elif status == before:
             # NOTE: tell the sender no bot reply is coming (a status change was already published to everyone).
             reply_to(SessionStatusFrame(session_id=session_id, status=status.value))
             if status in WAITING and not duplicate:
                 await self.desk.customer_wrote(tenant.id, message, status)
+
+    async def _run_turn(self, turn: Turn) -> None:
+        await self._runner.run(turn)
+        await self.desk.after_bot_turn(turn.tenant_id, turn.session_id, turn.user_seq)
 
     async def _observe_customer(self, tenant_id: str, session_id: str, message: Message) -> SessionContext | None:
         """Split the message, move the topic; announce a topic shift to every socket of the session. Returns the

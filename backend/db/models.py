@@ -319,3 +319,15 @@ class AgentNote(Base):
     agent_id: Mapped[str | None] = mapped_column(ForeignKey("agents.id", ondelete="SET NULL"), nullable=True)
     text: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TenantHandoffSettings(Base):
+    """When the bot hands a session to a person on its own (``backend/services/handoff_settings.py``); no row: never
+    (only the customer's request does)."""
+
+    __tablename__ = "tenant_handoff_settings"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    no_progress_turns: Mapped[int] = mapped_column(Integer, default=0)  # 0: off
+    on_tool_failure: Mapped[bool] = mapped_column(Boolean, default=False)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)

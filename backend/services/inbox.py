@@ -17,6 +17,7 @@ These functions commit; the chat layer (``backend/chat/agent_desk.py``) announce
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -70,6 +71,15 @@ class HandoffChange:
     holder_name: str | None
     reason: HandoffReason
     previous_holder_name: str | None = None
+    first_wait_s: float | None = None  # set by the hand-off's first claim: how long the customer waited
+
+
+@dataclass(frozen=True, slots=True)
+class StoredReply:
+    """An agent's stored reply; ``first_reply_s`` when it is the hand-off's first: the time since the request."""
+
+    message: Message
+    first_reply_s: float | None
 
 
 async def request(db: AsyncSession, session_id: str, reason: HandoffReason) -> HandoffChange | None:
@@ -165,11 +175,15 @@ async def claim(db: AsyncSession, actor: Actor, session_id: str) -> HandoffChang
         raise NotWaitingError("this session is not waiting for a person")
     if handoff.holder is not None and handoff.holder != actor.ref:
         raise ClaimedByOtherError(handoff.holder_name or "another agent")
-    previous = handoff.holder_name
+    previous, first = handoff.holder_name, handoff.first_claimed_at is None
     _hold(handoff, actor.ref, actor.name)
     session.status = SessionStatus.AGENT_ACTIVE.value
     await db.commit()
-    return _change(session, handoff, previous)
+    change = _change(session, handoff, previous)
+    if first and handoff.first_claimed_at is not None:
+        waited = (_aware(handoff.first_claimed_at) - _aware(handoff.requested_at)).total_seconds()
+        change = dataclasses.replace(change, first_wait_s=waited)
+    return change
 
 
 async def release(db: AsyncSession, actor: Actor, session_id: str) -> HandoffChange:
@@ -212,7 +226,7 @@ async def close_open(db: AsyncSession, session_id: str) -> None:
         handoff.ended_at, handoff.outcome = utcnow(), HandoffOutcome.CLOSED.value
 
 
-async def reply(db: AsyncSession, actor: Actor, session_id: str, text: str) -> Message:
+async def reply(db: AsyncSession, actor: Actor, session_id: str, text: str) -> StoredReply:
     """Store the agent's reply in the session the agent holds (see the module's docstring for the refusals)."""
     _, handoff = await _held(db, actor, session_id, strict=True)
     now = utcnow()
@@ -226,10 +240,11 @@ async def reply(db: AsyncSession, actor: Actor, session_id: str, text: str) -> M
         created_at=now,
     )
     db.add(message)
-    if handoff.first_reply_at is None:
+    first = handoff.first_reply_at is None
+    if first:
         handoff.first_reply_at = now
     await db.commit()
-    return message
+    return StoredReply(message, (now - _aware(handoff.requested_at)).total_seconds() if first else None)
 
 
 async def add_note(db: AsyncSession, actor: Actor, session_id: str, text: str) -> AgentNote:

@@ -9,7 +9,8 @@ Create Date: 2026-12-05 04:00:00.000000
 - ``messages.agent_id``: the person who wrote a message of role ``agent`` (kept as NULL when the person goes);
 - ``handoffs``: each hand-off of a session to the inbox: why, when it was asked for, who holds it, when it was first
   claimed and first answered, and how it ended (the queue, the expected wait and the time to a human's reply);
-- ``agent_notes``: private notes on a session (agents and admins only).
+- ``agent_notes``: private notes on a session (agents and admins only);
+- ``tenant_handoff_settings``: when the bot hands off on its own (N bot turns on one topic, a failed tool call).
 
 Downgrade drops the tables and the columns: the agents' messages stay, as rows of role ``agent`` that earlier code
 does not put in a prompt, and the agent keys stay, revoked (earlier code would take them for nothing).
@@ -94,9 +95,21 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_agent_notes")),
     )
     op.create_index(op.f("ix_agent_notes_session_id"), "agent_notes", ["session_id"], unique=False)
+    op.create_table(
+        "tenant_handoff_settings",
+        sa.Column("tenant_id", sa.String(length=36), nullable=False),
+        sa.Column("no_progress_turns", sa.Integer(), nullable=False),
+        sa.Column("on_tool_failure", sa.Boolean(), nullable=False),
+        sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["tenant_id"], ["tenants.id"], name=op.f("fk_tenant_handoff_settings_tenant_id_tenants"), ondelete="CASCADE"
+        ),
+        sa.PrimaryKeyConstraint("tenant_id", name=op.f("pk_tenant_handoff_settings")),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("tenant_handoff_settings")
     op.drop_index(op.f("ix_agent_notes_session_id"), table_name="agent_notes")
     op.drop_table("agent_notes")
     op.drop_index("ix_handoffs_tenant_ended", table_name="handoffs")

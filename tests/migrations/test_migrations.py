@@ -20,7 +20,7 @@ TABLES_0001 = {"tenants", "api_keys", "chat_sessions", "messages"}
 TABLES_0002 = {"splitter_rules", "semantic_blocks", "topic_history", "invalidation_events", "tenant_context_settings"}
 TABLES_0004 = {"admin_audit"}
 TABLES_0008 = {"tenant_reply_settings", "tenant_tools"}
-TABLES_0012 = {"agents", "handoffs", "agent_notes"}
+TABLES_0012 = {"agents", "handoffs", "agent_notes", "tenant_handoff_settings"}
 EXPECTED_TABLES = TABLES_0001 | TABLES_0002 | TABLES_0004 | TABLES_0008 | TABLES_0012
 SESSION_COLUMNS_0002 = {"semantic_temperature", "topic_epoch"}
 
