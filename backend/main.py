@@ -23,6 +23,7 @@ from backend.api.routes import (
     admin_audit,
     admin_cache,
     admin_handoff,
+    admin_inbox,
     admin_reply,
     admin_rules,
     admin_sessions,
@@ -116,6 +117,7 @@ def create_app(
     app.include_router(admin_cache.router)
     app.include_router(admin_agents.router)
     app.include_router(admin_handoff.router)
+    app.include_router(admin_inbox.router)
     app.include_router(agent_inbox.router)
     app.include_router(agent_ws.router)
 

@@ -167,6 +167,48 @@ async def expected_wait_s(db: AsyncSession, tenant_id: str, now: datetime | None
     return statistics.median(waits) if waits else None
 
 
+@dataclass(frozen=True, slots=True)
+class InboxStats:
+    """The dashboard's view of the inbox: the queue now, and the hand-offs of the last ``window``."""
+
+    queue: list[QueueEntry]
+    expected_wait_s: float | None
+    handoffs: int  # requested within the window
+    first_reply_p50_s: float | None  # request → a person's first reply, of those answered within the window
+    first_reply_p95_s: float | None
+
+
+async def stats(db: AsyncSession, tenant_id: str, window: timedelta = EXPECTED_WAIT_WINDOW) -> InboxStats:
+    now = utcnow()
+    since = now - window
+    requested = await db.scalar(
+        select(func.count()).where(Handoff.tenant_id == tenant_id, Handoff.requested_at >= since)
+    )
+    rows = await db.execute(
+        select(Handoff.requested_at, Handoff.first_reply_at).where(
+            Handoff.tenant_id == tenant_id, Handoff.first_reply_at.is_not(None), Handoff.first_reply_at >= since
+        )
+    )
+    replies = sorted((_aware(r) - _aware(q)).total_seconds() for q, r in rows if r is not None)
+    return InboxStats(
+        queue=await queue(db, tenant_id, now),
+        expected_wait_s=await expected_wait_s(db, tenant_id, now),
+        handoffs=int(requested or 0),
+        first_reply_p50_s=_quantile(replies, 0.50),
+        first_reply_p95_s=_quantile(replies, 0.95),
+    )
+
+
+def _quantile(ordered: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None without samples."""
+    if not ordered:
+        return None
+    pos = (len(ordered) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
 async def claim(db: AsyncSession, actor: Actor, session_id: str) -> HandoffChange:
     """Take the session: ``ClaimedByOtherError`` when someone else holds it, ``NotWaitingError`` when no person is
     asked for. Claiming a session one holds already is not an error (a retry)."""

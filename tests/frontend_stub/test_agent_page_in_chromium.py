@@ -1,10 +1,12 @@
 """``/agent`` and ``/chat`` side by side in a real browser (system Chromium, headless) against a real ``kvchat serve``
 (issue 41): hand-off, claim, two messages each way, typing both ways, hand back, resolve; no console errors and no
-request leaving 127.0.0.1. And the chat page reconnects after a server restart (1012), resuming with ``last_seq``.
+request leaving 127.0.0.1. The chat page reconnects after a server restart (1012), resuming with ``last_seq``. The
+dashboard shows the waiting queue.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
+from websockets.sync.client import connect
 
 from support.browser import LAUNCH_ARGS, chromium_path, screenshot_path
 from support.server import ADMIN_KEY, CHAT_TOKEN
@@ -174,3 +177,22 @@ def test_the_chat_page_reconnects_after_a_restart_and_resumes(
     finally:
         again.kill()
     assert [e for e in watched.errors if "WebSocket" not in e] == []  # (Chromium logs the refused reconnects)
+
+
+def test_the_dashboard_shows_the_waiting_queue(server: ServerProcess, watched: Watched) -> None:
+    with connect(server.ws, open_timeout=30) as ws:
+        ws.send(json.dumps({"type": "hello", "token": CHAT_TOKEN}))
+        session_id = json.loads(ws.recv(timeout=30))["session_id"]
+        ws.send(json.dumps({"type": "user.message", "client_msg_id": "h", "text": "I want to talk to a real person"}))
+        while json.loads(ws.recv(timeout=30))["type"] != "session.queue":
+            pass
+    page = watched.page(width=1366, height=768)
+    page.goto(f"{server.http}/dashboard")
+    page.fill("#key", ADMIN_KEY)
+    page.click("#connect")
+    expect(page.locator("#f-inbox")).to_contain_text("1 waiting · 0 with a person", timeout=TIMEOUT_MS)
+    expect(page.locator("#f-first-reply")).to_contain_text("first human reply p50 – · p95 –")
+    expect(page.locator("#inbox-queue li")).to_have_count(1)
+    expect(page.locator(f'#inbox-queue li[data-session="{session_id}"]')).to_contain_text("real person")
+    assert page.evaluate("document.querySelectorAll('.chart canvas').length") == 8
+    assert watched.errors == []
