@@ -16,6 +16,7 @@ the cached prefix of the last one.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -40,10 +41,12 @@ from backend.domain import HandoffOutcome, HandoffReason, MessageStatus, Session
 from backend.services import agents, handoff_settings, inbox
 from backend.services import sessions as store
 from backend.services.agents import Actor
+from backend.services.handoff_settings import HandoffSettings
 from backend.services.inbox import HandoffChange, QueueEntry
 
 log = logging.getLogger("kvchat.agents")
 
+SETTINGS_TTL_S = 5.0
 WAITING = frozenset({SessionStatus.AGENT_REQUESTED, SessionStatus.AGENT_ACTIVE})
 
 OnChange = Callable[[str], None]  # a session's stored messages changed (the context layer's cached read is stale)
@@ -77,6 +80,7 @@ class AgentDesk:
         self._hub = hub
         self._changed = changed
         self._metrics = metrics
+        self._settings: dict[str, tuple[float, HandoffSettings]] = {}  # tenant -> (read at, settings)
 
     # ------------------------------------------------------------------ the customer's side
 
@@ -107,21 +111,39 @@ class AgentDesk:
         if status == SessionStatus.AGENT_REQUESTED:
             await self._announce_places(tenant_id, only=message.session_id)
 
-    async def after_bot_turn(self, tenant_id: str, session_id: str, user_seq: int) -> None:
-        """The bot's own choice (the tenant's hand-off settings): hand off after a failed tool call, or after N
-        replies on one topic. Never fails the turn: a failure here is logged."""
+    async def handoff_settings(self, tenant_id: str) -> HandoffSettings:
+        """The tenant's hand-off settings, read at most every ``SETTINGS_TTL_S`` per process.
+
+        NOTE: read before a turn runs, from memory mostly: the check after the reply then touches the database only
+        for a tenant that turned the bot's own hand-offs on. A change reaches every worker within the TTL.
+        """
+        now = time.monotonic()
+        known = self._settings.get(tenant_id)
+        if known is not None and now - known[0] < SETTINGS_TTL_S:
+            return known[1]
         try:
-            reason = await self._bot_gives_up(tenant_id, session_id, user_seq)
+            async with self._sm() as db:
+                settings = await handoff_settings.load(db, tenant_id)
+        except Exception:  # NOTE: the turn goes on (without the bot's own hand-offs) when the read fails
+            log.exception("reading the hand-off settings of %s failed", tenant_id)
+            return known[1] if known is not None else HandoffSettings()
+        self._settings[tenant_id] = (now, settings)
+        return settings
+
+    async def after_bot_turn(self, settings: HandoffSettings, session_id: str, user_seq: int) -> None:
+        """The bot's own choice (the tenant's hand-off ``settings``): hand off after a failed tool call, or after N
+        replies on one topic. Never fails the turn: a failure here is logged."""
+        if not settings.enabled:
+            return
+        try:
+            reason = await self._bot_gives_up(settings, session_id, user_seq)
             if reason is not None:
                 await self.handoff(session_id, reason)
         except Exception:
             log.exception("the hand-off check after %s/%d failed", session_id, user_seq)
 
-    async def _bot_gives_up(self, tenant_id: str, session_id: str, user_seq: int) -> HandoffReason | None:
+    async def _bot_gives_up(self, settings: HandoffSettings, session_id: str, user_seq: int) -> HandoffReason | None:
         async with self._sm() as db:
-            settings = await handoff_settings.load(db, tenant_id)
-            if not settings.enabled:
-                return None
             reply = await store.find_reply(db, session_id, user_seq)
             if reply is None or reply.status != MessageStatus.COMPLETE.value:
                 return None

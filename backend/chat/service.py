@@ -277,8 +277,9 @@ class ChatService:
                 await self.desk.customer_wrote(tenant.id, message, status)
 
     async def _run_turn(self, turn: Turn) -> None:
+        settings = await self.desk.handoff_settings(turn.tenant_id)
         await self._runner.run(turn)
-        await self.desk.after_bot_turn(turn.tenant_id, turn.session_id, turn.user_seq)
+        await self.desk.after_bot_turn(settings, turn.session_id, turn.user_seq)
 
     async def _observe_customer(self, tenant_id: str, session_id: str, message: Message) -> SessionContext | None:
         """Split the message, move the topic; announce a topic shift to every socket of the session. Returns the
