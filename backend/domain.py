@@ -65,6 +65,7 @@ class HandoffReason(StrEnum):
     CUSTOMER_ASKED = "customer_asked"  # the customer asked for a person (backend/chat/prompt.py's detector)
     NO_PROGRESS = "no_progress"  # the tenant's setting: N bot turns without progress
     TOOL_FAILED = "tool_failed"  # the tenant's setting: a tool call of the bot failed
+    ADMIN = "admin"  # an admin set the session's status to ask for a person
 
 
 class HandoffOutcome(StrEnum):

@@ -47,6 +47,11 @@ from backend.services.inbox import HandoffChange, QueueEntry
 log = logging.getLogger("kvchat.agents")
 
 SETTINGS_TTL_S = 5.0
+_OUTCOMES = {
+    SessionStatus.CLOSED: HandoffOutcome.CLOSED,
+    SessionStatus.RESOLVED: HandoffOutcome.RESOLVED,
+    SessionStatus.BOT_ACTIVE: HandoffOutcome.HANDED_BACK,
+}
 WAITING = frozenset({SessionStatus.AGENT_REQUESTED, SessionStatus.AGENT_ACTIVE})
 
 OnChange = Callable[[str], None]  # a session's stored messages changed (the context layer's cached read is stale)
@@ -157,14 +162,20 @@ class AgentDesk:
     def customer_typing(self, tenant_id: str, session_id: str) -> None:
         self._hub.publish(inbox_channel(tenant_id), TypingFrame(session_id=session_id, who="customer"))
 
-    async def session_closed(self, session_id: str) -> None:
-        """The session closed (idle, an admin): its open hand-off ends ``closed``."""
+    async def status_set(self, session_id: str, status: SessionStatus) -> None:
+        """The session's status was set outside the inbox (closed when idle, an admin's change): an open hand-off
+        ends with it, and the agents hear so."""
+        outcome = _OUTCOMES.get(status)
+        if outcome is None:
+            return
         async with self._sm() as db:
             session = await store.lock_any(db, session_id)
-            await inbox.close_open(db, session_id)
+            ended = await inbox.settle_open(db, session_id, outcome)
             await db.commit()
-        frame = InboxChangedFrame(session_id=session_id, event="closed", status=SessionStatus.CLOSED.value)
-        self._hub.publish(inbox_channel(session.tenant_id), frame)
+        if ended:
+            event = "closed" if outcome == HandoffOutcome.CLOSED else outcome.value
+            frame = InboxChangedFrame.model_validate({"session_id": session_id, "event": event, "status": status.value})
+            self._hub.publish(inbox_channel(session.tenant_id), frame)
 
     # ------------------------------------------------------------------ the agents' side
 

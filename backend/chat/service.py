@@ -182,12 +182,16 @@ class ChatService:
         actor: str = SYSTEM_ACTOR,
     ) -> None:
         """Store and announce ``status``; closing releases the session's engine cache (an invalidation event with
-        ``reason`` and ``actor``)."""
+        ``reason`` and ``actor``). Asking for a person goes through the inbox (a hand-off; a claim makes it
+        ``agent_active``); any other status ends an open hand-off."""
+        if status in WAITING:
+            await self.desk.handoff(session_id, HandoffReason.ADMIN)
+            return
         async with self._sm() as db:
             await store.set_status(db, session_id, status)
         self.hub.publish(session_id, SessionStatusFrame(session_id=session_id, status=status.value))
+        await self.desk.status_set(session_id, status)
         if status == SessionStatus.CLOSED:
-            await self.desk.session_closed(session_id)
             freed = await self.release_cache(session_id)
             await self.context.record_release(session_id, freed, reason, actor)
 

@@ -261,11 +261,15 @@ async def end(db: AsyncSession, actor: Actor, session_id: str, outcome: HandoffO
     return _change(session, handoff, previous)
 
 
-async def close_open(db: AsyncSession, session_id: str) -> None:
-    """The session closed: its open hand-off (if any) ends ``closed``; the caller commits."""
+async def settle_open(db: AsyncSession, session_id: str, outcome: HandoffOutcome) -> bool:
+    """The session's status was set outside the inbox (it closed, an admin resolved it or gave it back to the bot):
+    its open hand-off, if any, ends with ``outcome``; the caller commits. Whether one was open."""
     handoff = await _open_handoff(db, session_id)
-    if handoff is not None:
-        handoff.ended_at, handoff.outcome = utcnow(), HandoffOutcome.CLOSED.value
+    if handoff is None:
+        return False
+    handoff.ended_at, handoff.outcome = utcnow(), outcome.value
+    handoff.holder = handoff.holder_name = None
+    return True
 
 
 async def reply(db: AsyncSession, actor: Actor, session_id: str, text: str) -> StoredReply:

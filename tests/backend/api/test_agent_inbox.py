@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
 from backend.db.models import Handoff, Message
@@ -185,6 +186,20 @@ async def test_a_hand_off_is_claimed_answered_and_handed_back_to_the_bot(live: L
     assert (handoff.holder_name, handoff.outcome) == (None, "handed_back")
     assert handoff.first_claimed_at is not None and handoff.first_reply_at is not None
     assert transcript == ["user", "assistant", "user", "agent", "user", "user", "assistant"]
+    # /metrics: one hand-off asked for by the customer, its wait for a claim and for a person's first reply
+    async with httpx.AsyncClient(base_url=live.http) as http:
+        metrics = (await http.get("/metrics")).text
+        inbox = (await http.get("/admin/inbox", headers=ADMIN)).json()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(metrics)
+        for s in f.samples
+    }
+    assert samples[("kvchat:handoffs_total", (("reason", "customer_asked"),))] == 1
+    assert samples[("kvchat:inbox_queue_length_count", ())] == 1
+    assert samples[("kvchat:handoff_wait_seconds_count", ())] == 1
+    assert samples[("kvchat:handoff_first_reply_seconds_count", ())] == 1
+    assert inbox["first_reply_p50_s"] is not None and inbox["first_reply_p50_s"] >= 0
 
 
 async def test_replies_to_closed_or_other_tenants_sessions_are_refused_and_store_nothing(live: LiveServer) -> None:
@@ -217,3 +232,26 @@ async def test_replies_to_closed_or_other_tenants_sessions_are_refused_and_store
         assert blank.status_code == 422
         assert (await http.get("/inbox", headers=_auth(dana["key"]))).json() == []
     assert await _count_agent_messages(live, session_id) == 0
+
+
+async def test_an_admins_status_change_opens_or_ends_the_hand_off(live: LiveServer) -> None:
+    async with httpx.AsyncClient(base_url=live.http) as http:
+        dana = await _agent(http, "Dana")
+        customer, session_id = await _customer(live)
+        await customer.close()
+        status = f"/admin/sessions/{session_id}/status"
+        asked = await http.post(status, headers=ADMIN, json={"status": "agent_active"})  # (a claim makes it active)
+        assert asked.json()["status"] == "agent_requested"
+        queue = (await http.get("/inbox", headers=_auth(dana["key"]))).json()
+        assert [(e["session_id"], e["reason"]) for e in queue] == [(session_id, "admin")]
+        assert (await http.post(f"/inbox/{session_id}/claim", headers=_auth(dana["key"]))).status_code == 200
+        resolved = await http.post(status, headers=ADMIN, json={"status": "resolved"})
+        assert resolved.json()["status"] == "resolved"
+        assert (await http.get("/inbox", headers=_auth(dana["key"]))).json() == []
+        late = await http.post(f"/inbox/{session_id}/messages", headers=_auth(dana["key"]), json={"text": "hi"})
+        assert late.json()["code"] == "not_claimed"
+        inbox = (await http.get("/admin/inbox", headers=ADMIN)).json()
+    assert (inbox["waiting"], inbox["held"], inbox["handoffs_last_day"], inbox["queue"]) == (0, 0, 1, [])
+    async with db_session(live) as db:
+        handoff = (await db.execute(select(Handoff).where(Handoff.session_id == session_id))).scalar_one()
+    assert (handoff.reason, handoff.outcome) == ("admin", "resolved")
