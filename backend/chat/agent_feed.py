@@ -33,6 +33,7 @@ from backend.chat.agent_protocol import (
 )
 from backend.chat.hub import SessionHub
 from backend.chat.protocol import CloseCode, ErrorFrame, Pong, ServerFrame, describe_validation_error
+from backend.chat.rate_limit import TokenBucket
 from backend.core.limits import json_too_deep
 from backend.services.agents import Actor, authenticate_actor
 
@@ -40,6 +41,7 @@ log = logging.getLogger("kvchat.agent_feed")
 
 HELLO_TIMEOUT_S = 10.0
 MAX_FRAME_BYTES = 16 * 1024
+RATE_PER_S, RATE_BURST = 5.0, 10  # frames from the agent (typing is sent at most every 2 s by /agent)
 MAX_QUEUED = 4096  # frames waiting for a slow agent's socket; past it the socket is closed
 _CLOSE_WAIT_S = 2.0
 
@@ -61,6 +63,7 @@ class AgentFeed:
         self._outbox: asyncio.Queue[str | None] = asyncio.Queue(maxsize=MAX_QUEUED)
         self._revoked = asyncio.Event()
         self._too_slow = asyncio.Event()
+        self._bucket = TokenBucket(RATE_PER_S, RATE_BURST)
 
     def send(self, frame: ServerFrame | AgentWelcome) -> None:
         try:
@@ -132,7 +135,14 @@ class AgentFeed:
 
     async def _read_loop(self, actor: Actor) -> None:
         while True:
-            frame = self._parse(await self._receive())
+            text = await self._receive()
+            wait = self._bucket.take()  # NOTE: every frame counts (a typing frame costs a database read)
+            if wait > 0:
+                self.send(
+                    ErrorFrame(code="rate_limited", message="too many frames", retry_after_ms=int(wait * 1000) + 1)
+                )
+                continue
+            frame = self._parse(text)
             if isinstance(frame, AgentTyping):
                 await self._desk.typing(actor, frame.session_id)
             elif isinstance(frame, AgentHello):
