@@ -94,13 +94,15 @@ class AgentDesk:
         unchanged)."""
         async with self._sm() as db:
             change = await inbox.request(db, session_id, reason)
-        if change is None:
+        if change is None:  # one is open already
             async with self._sm() as db:
-                return SessionStatus((await store.lock_any(db, session_id)).status)
+                session = await db.get(ChatSession, session_id, populate_existing=True)
+            return SessionStatus(session.status) if session is not None else SessionStatus.CLOSED
         self._hub.publish(session_id, SessionStatusFrame(session_id=session_id, status=change.status.value))
         async with self._sm() as db:
-            entry = next(e for e in await inbox.queue(db, change.tenant_id) if e.session_id == session_id)
-        self._hub.publish(inbox_channel(change.tenant_id), InboxHandoffFrame(entry=entry_frame(entry)))
+            entry = next((e for e in await inbox.queue(db, change.tenant_id) if e.session_id == session_id), None)
+        if entry is not None:  # (None: it ended meanwhile, an admin closed it)
+            self._hub.publish(inbox_channel(change.tenant_id), InboxHandoffFrame(entry=entry_frame(entry)))
         waiting = await self._announce_places(change.tenant_id, only=session_id)
         if self._metrics is not None:
             self._metrics.handoffs.labels(reason.value).inc()
