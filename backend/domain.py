@@ -10,11 +10,13 @@ from enum import StrEnum
 class KeyKind(StrEnum):
     CHAT = "chat"  # customers' chat clients and the OpenAI-compatible API
     ADMIN = "admin"  # the admin REST API and dashboard
+    AGENT = "agent"  # a human agent of the tenant: the inbox and its sessions (backend/services/inbox.py)
 
 
 class SessionStatus(StrEnum):
     BOT_ACTIVE = "bot_active"
-    AGENT_REQUESTED = "agent_requested"
+    AGENT_REQUESTED = "agent_requested"  # waiting in the inbox for a person
+    AGENT_ACTIVE = "agent_active"  # a person holds it: the bot sends nothing
     RESOLVED = "resolved"
     CLOSED = "closed"
 
@@ -23,6 +25,7 @@ class MessageRole(StrEnum):
     USER = "user"
     ASSISTANT = "assistant"
     SYSTEM = "system"
+    AGENT = "agent"  # a human agent's reply (``messages.agent_id``); the bot's prompt reads it as an assistant turn
 
 
 class MessageStatus(StrEnum):
@@ -63,3 +66,20 @@ class ReplicaErase(StrEnum):
 
     REPORT = "report"  # erase nothing there: the erasure names the replica as not erased (HTTP 207)
     RESET_CACHE = "reset_cache"  # reset that replica's whole prefix cache: every session on it loses its prefixes
+
+
+class HandoffReason(StrEnum):
+    """Why a session went to the inbox; one ``handoffs`` row each time."""
+
+    CUSTOMER_ASKED = "customer_asked"  # the customer asked for a person (backend/chat/prompt.py's detector)
+    NO_PROGRESS = "no_progress"  # the tenant's setting: N bot turns without progress
+    TOOL_FAILED = "tool_failed"  # the tenant's setting: a tool call of the bot failed
+    ADMIN = "admin"  # an admin set the session's status to ask for a person
+
+
+class HandoffOutcome(StrEnum):
+    """How a hand-off ended."""
+
+    HANDED_BACK = "handed_back"  # the bot answers again
+    RESOLVED = "resolved"
+    CLOSED = "closed"  # the session closed (idle, an admin) while it waited or was held

@@ -19,16 +19,21 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from backend.api import boundary, docs
 from backend.api.routes import (
+    admin_agents,
     admin_audit,
     admin_cache,
     admin_fair_share,
     admin_handbook,
+    admin_handoff,
+    admin_inbox,
     admin_reply,
     admin_rules,
     admin_sessions,
     admin_stats,
     admin_tenant,
     admin_tools,
+    agent_inbox,
+    agent_ws,
     chat_ws,
     health,
     openai_api,
@@ -115,6 +120,11 @@ def create_app(
     app.include_router(admin_audit.router)
     app.include_router(admin_cache.router)
     app.include_router(admin_fair_share.router)
+    app.include_router(admin_agents.router)
+    app.include_router(admin_handoff.router)
+    app.include_router(admin_inbox.router)
+    app.include_router(agent_inbox.router)
+    app.include_router(agent_ws.router)
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:
@@ -127,6 +137,10 @@ def create_app(
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard_page() -> FileResponse:
         return FileResponse(FRONTEND_DIR / "dashboard.html", media_type="text/html")
+
+    @app.get("/agent", include_in_schema=False)
+    async def agent_page() -> FileResponse:
+        return FileResponse(FRONTEND_DIR / "agent.html", media_type="text/html")
 
     app.mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static")
 

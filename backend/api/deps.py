@@ -22,6 +22,7 @@ from backend.core.security import display_prefix
 from backend.db.models import Tenant
 from backend.domain import KeyKind
 from backend.services import audit
+from backend.services.agents import Actor, authenticate_actor
 from backend.services.tenants import authenticate
 
 
@@ -82,6 +83,26 @@ async def get_admin_tenant(
 
 
 AdminDep = Annotated[Tenant, Depends(get_admin_tenant)]
+
+
+async def get_actor(
+    request: Request,
+    db: DbDep,
+    _key: Annotated[str | None, Security(ADMIN_KEY_HEADER)] = None,
+    _bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)] = None,
+) -> Actor:
+    """The person (an ``agent`` key) or support team (an ``admin`` key) acting in the inbox."""
+    actor = await authenticate_actor(db, bearer_token(request))
+    if actor is None:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "a valid agent or admin API key is required",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return actor
+
+
+ActorDep = Annotated[Actor, Depends(get_actor)]
 
 
 def audited(action: str) -> Any:

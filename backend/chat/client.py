@@ -98,7 +98,6 @@ def _read_line() -> str | None:
 async def _turn(ws: ClientConnection, text: str, quiet: bool) -> None:
     client_msg_id = uuid.uuid4().hex
     await ws.send(json.dumps({"type": "user.message", "client_msg_id": client_msg_id, "text": text}))
-    sys.stdout.write("bot> ")
     try:
         await _print_reply(ws, client_msg_id, quiet)
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -108,13 +107,22 @@ async def _turn(ws: ClientConnection, text: str, quiet: bool) -> None:
 
 
 async def _print_reply(ws: ClientConnection, client_msg_id: str, quiet: bool) -> None:
+    """The frames up to the bot's reply to ``client_msg_id`` (or the news that none is coming: a person has or will
+    have the session). NOTE: ``bot> `` is written with the reply's first text, so a message no bot answers leaves no
+    empty line; a person's messages that came while the customer typed are printed before it (``Dana> ...``)."""
+    started = False
     while True:
         frame = json.loads(await ws.recv())
         kind = frame["type"]
         if kind == "message.delta" and frame["client_msg_id"] == client_msg_id:
+            if not started:
+                sys.stdout.write("bot> ")
+                started = True
             sys.stdout.write(frame["text"])
             sys.stdout.flush()
         elif kind == "message.completed" and frame["client_msg_id"] == client_msg_id:
+            if not started:
+                sys.stdout.write("bot> " + frame["text"])
             usage = frame.get("usage")
             suffix = "" if frame["status"] == "complete" else f" [{frame['status']}]"
             print(suffix)
@@ -125,9 +133,18 @@ async def _print_reply(ws: ClientConnection, client_msg_id: str, quiet: bool) ->
                     file=sys.stderr,
                 )
             return
+        elif kind == "agent.message":
+            print(f"{frame['agent_name']}> {frame['text']}")
+        elif kind == "session.agent":
+            print(f"({frame.get('agent_name') or 'the agent'}: {frame['event'].replace('_', ' ')})", file=sys.stderr)
+        elif kind == "session.queue":
+            wait = frame.get("expected_wait_s")
+            about = f", expected wait about {wait / 60:.0f} min" if wait is not None else ""
+            print(f"(you are number {frame['position']} in the queue{about})", file=sys.stderr)
+            return  # (it follows the status of a session waiting for a person)
         elif kind == "session.status":
-            print(f"\n(session is now {frame['status']})", file=sys.stderr)
-            if frame["status"] != "bot_active":
+            print(f"(session is now {frame['status'].replace('_', ' ')})", file=sys.stderr)
+            if frame["status"] not in ("bot_active", "agent_requested"):
                 return
         elif kind == "error":
             print(f"\n(error {frame['code']}: {frame['message']})", file=sys.stderr)

@@ -18,6 +18,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from backend.chat.hub import ConnectionKey
 from backend.chat.protocol import (
+    AnyClientFrame,
     Cancel,
     CloseCode,
     ErrorFrame,
@@ -25,7 +26,7 @@ from backend.chat.protocol import (
     Ping,
     Pong,
     ServerFrame,
-    UserMessage,
+    Typing,
     parse_client_frame,
 )
 from backend.chat.rate_limit import TokenBucket
@@ -228,7 +229,7 @@ class ChatConnection:
             raise _Closed(CloseCode.UNAUTHORIZED, "invalid token")
         return owner
 
-    def _parse(self, data: str | None) -> Hello | UserMessage | Cancel | Ping | None:
+    def _parse(self, data: str | None) -> AnyClientFrame | None:
         if data is None:
             return None
         frame = parse_client_frame(data)
@@ -251,10 +252,12 @@ class ChatConnection:
             if frame is not None:
                 await self._dispatch(frame)
 
-    async def _dispatch(self, frame: Hello | UserMessage | Cancel | Ping) -> None:
+    async def _dispatch(self, frame: AnyClientFrame) -> None:
         assert self.tenant is not None and self.session_id is not None
         if isinstance(frame, Ping):
             self.send(Pong(nonce=frame.nonce))
+        elif isinstance(frame, Typing):
+            self.service.desk.customer_typing(self.tenant.id, self.session_id)
         elif isinstance(frame, Hello):
             self.send(ErrorFrame(code="invalid_frame", message="already authenticated; hello is only the first frame"))
         elif isinstance(frame, Cancel):

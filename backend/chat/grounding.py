@@ -1,7 +1,8 @@
 """A chat turn's grounding (``backend/context/grounding.py``): the texts its reply may take contact details from.
 
-The tenant's system prompt, policy text and whole handbook, the session's pinned context, every customer message,
-and the tool results of its earlier replies (this turn's results join while the turn runs: ``ToolTurn``).
+The tenant's system prompt, policy text and whole handbook, the session's pinned context, every customer message and
+every human agent's, and the tool results of its earlier replies (this turn's results join while the turn runs:
+``ToolTurn``).
 NOTE: the customer's messages are sources: repeating the customer's order number or address back is not inventing it.
 """
 
@@ -21,7 +22,7 @@ def turn_grounding(ctx: SessionContext) -> Grounding:
     texts = [ctx.system_prompt, ctx.policy_text, ctx.pinned_context]
     texts += [s.text for s in ctx.handbook.sections]  # NOTE: the whole handbook, not only the topic's sections
     for m in ctx.messages:
-        if m.role == MessageRole.USER.value:
+        if m.role in (MessageRole.USER.value, MessageRole.AGENT.value):  # NOTE: a person's words are not invented
             texts.append(m.content)
         elif m.tool_exchange:
             texts += _tool_results(m.tool_exchange)

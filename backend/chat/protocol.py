@@ -1,8 +1,9 @@
 """The chat websocket protocol: typed JSON envelopes, each with a ``type`` field.
 
-Client → server: ``hello`` (first frame: auth + optional resume), ``user.message``, ``cancel``, ``ping``.
+Client → server: ``hello`` (first frame: auth + optional resume), ``user.message``, ``cancel``, ``ping``, ``typing``.
 Server → client: ``welcome``, ``message.ack``, ``message.delta``, ``message.completed``, ``session.status``,
-``session.topic``, ``error``, ``pong``.
+``session.topic``, ``error``, ``pong``; and human agents' frames (``backend/chat/agent_protocol.py``):
+``agent.message``, ``session.agent``, ``typing``, ``session.queue``.
 
 Close codes (named here, used by the connection handler): 1008 policy (Origin not allowed), 1009 message too big,
 1011 internal error, 1012 server restarting, 1013 try again later (connection cap), 4401 unauthorized,
@@ -18,6 +19,15 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
+from backend.chat.agent_protocol import (
+    AgentMessageFrame,
+    InboxChangedFrame,
+    InboxHandoffFrame,
+    InboxMessageFrame,
+    SessionAgentFrame,
+    SessionQueueFrame,
+    TypingFrame,
+)
 from backend.core.errors import error_location, error_problem
 from backend.core.limits import ExternalRef, Identifier, SafeText, Seq, SessionId, json_too_deep, text_problem
 
@@ -76,9 +86,16 @@ class Ping(_ClientFrame):
     nonce: Annotated[SafeText, Field(max_length=100)] | None = None
 
 
-ClientFrame = Annotated[Hello | UserMessage | Cancel | Ping, Field(discriminator="type")]
-CLIENT_FRAME: TypeAdapter[Hello | UserMessage | Cancel | Ping] = TypeAdapter(ClientFrame)
-CLIENT_FRAME_TYPES = frozenset({"hello", "user.message", "cancel", "ping"})
+class Typing(_ClientFrame):
+    """The customer is typing (shown to the agent holding the session; send it at most every few seconds)."""
+
+    type: Literal["typing"]
+
+
+AnyClientFrame = Hello | UserMessage | Cancel | Ping | Typing
+ClientFrame = Annotated[AnyClientFrame, Field(discriminator="type")]
+CLIENT_FRAME: TypeAdapter[AnyClientFrame] = TypeAdapter(ClientFrame)
+CLIENT_FRAME_TYPES = frozenset({"hello", "user.message", "cancel", "ping", "typing"})
 
 
 # ---------------------------------------------------------------- server → client
@@ -92,6 +109,7 @@ class MessageOut(_Frame):
     client_msg_id: str | None = None
     reply_to_seq: int | None = None
     created_at: datetime
+    agent_name: str | None = None  # role ``agent``: the person who wrote it
 
 
 class InFlight(_Frame):
@@ -182,11 +200,26 @@ class Pong(_Frame):
 
 
 ServerFrame = (
-    Welcome | MessageAck | MessageDelta | MessageCompleted | SessionStatusFrame | SessionTopicFrame | ErrorFrame | Pong
+    Welcome
+    | MessageAck
+    | MessageDelta
+    | MessageCompleted
+    | SessionStatusFrame
+    | SessionTopicFrame
+    | ErrorFrame
+    | Pong
+    # (human agents': backend/chat/agent_protocol.py)
+    | AgentMessageFrame
+    | SessionAgentFrame
+    | TypingFrame
+    | SessionQueueFrame
+    | InboxHandoffFrame
+    | InboxChangedFrame
+    | InboxMessageFrame
 )
 
 
-def parse_client_frame(text: str) -> Hello | UserMessage | Cancel | Ping | ErrorFrame:
+def parse_client_frame(text: str) -> AnyClientFrame | ErrorFrame:
     """One client frame, or the ``ErrorFrame`` that refuses it (codes ``bad_json``, ``unknown_type``,
     ``invalid_frame``). Never raises: whatever a client sends, the socket answers and stays open."""
     if json_too_deep(text):

@@ -33,6 +33,7 @@ from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from backend.chat.agent_desk import WAITING, AgentDesk
 from backend.chat.hub import Send, SessionHub
 from backend.chat.prompt import ChatMessage, asks_for_human
 from backend.chat.protocol import (
@@ -51,22 +52,29 @@ from backend.chat.turn import ReplyConfig, TurnRunner
 from backend.chat.turn_state import Turn
 from backend.chat.turns import DrainReport, Turns
 from backend.context.builder import prefix_segments
+from backend.core.agent_metrics import AgentMetrics
 from backend.core.errors import MessageTooLongError, SessionClosedError, ShuttingDownError
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
 from backend.db.models import Message, Tenant
-from backend.domain import InvalidationReason, MessageRole, MessageStatus, SessionStatus
+from backend.domain import HandoffReason, InvalidationReason, MessageRole, MessageStatus, SessionStatus
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import ErasureResult
+from backend.services import agents
 from backend.services import sessions as store
+from backend.services.agents import ADMIN_NAME
 from backend.services.context_service import SYSTEM_ACTOR, ContextService, SessionContext
 from backend.services.key_lookup import KeyLookup
 
 log = logging.getLogger("kvchat.chat")
 
 
-def message_out(m: Message) -> MessageOut:
+def message_out(m: Message, agent_names: dict[str, str] | None = None) -> MessageOut:
+    agent_name = None
+    if m.role == MessageRole.AGENT.value:  # (an admin key's reply, or a person deleted since: the support team)
+        agent_name = (agent_names or {}).get(m.agent_id or "", ADMIN_NAME)
     return MessageOut(
+        agent_name=agent_name,
         seq=m.seq,
         role=m.role,
         content=m.content,
@@ -94,6 +102,8 @@ class ChatService:
         self.hub = hub
         self.keys = KeyLookup(sessionmaker, hub.keys)  # chat tokens, looked up once per burst (hello, /v1)
         self._metrics = metrics
+        # human agents (backend/chat/agent_desk.py)
+        self.desk = AgentDesk(sessionmaker, hub, context.changed, AgentMetrics(metrics.registry) if metrics else None)
         self._runner = TurnRunner(sessionmaker, engine, context, hub, reply or ReplyConfig(), metrics, commit_delay_s)
         self._turns = Turns(engine)
 
@@ -123,6 +133,7 @@ class ChatService:
                 session = await store.create_session(db, tenant.id, hello.external_ref)
                 await db.commit()
                 missed = []
+            names = await agents.names_of(db, {m.agent_id for m in missed if m.agent_id is not None})
             last_seq = max((m.seq for m in missed), default=hello.last_seq)
         # NOTE: no await from here until the caller subscribes the socket: the text so far and the frames that
         # follow meet without a gap or an overlap, for this process's turns and (through the fan-out) the others'
@@ -132,7 +143,7 @@ class ChatService:
         return Welcome(
             session_id=session.id,
             status=session.status,
-            messages=[message_out(m) for m in missed],
+            messages=[message_out(m, names) for m in missed],
             last_seq=last_seq,
             in_flight=InFlight(client_msg_id=in_flight.client_msg_id, text=in_flight.text) if in_flight else None,
             cut_off=[
@@ -171,10 +182,15 @@ class ChatService:
         actor: str = SYSTEM_ACTOR,
     ) -> None:
         """Store and announce ``status``; closing releases the session's engine cache (an invalidation event with
-        ``reason`` and ``actor``)."""
+        ``reason`` and ``actor``). Asking for a person goes through the inbox (a hand-off; a claim makes it
+        ``agent_active``); any other status ends an open hand-off."""
+        if status in WAITING:
+            await self.desk.handoff(session_id, HandoffReason.ADMIN)
+            return
         async with self._sm() as db:
             await store.set_status(db, session_id, status)
         self.hub.publish(session_id, SessionStatusFrame(session_id=session_id, status=status.value))
+        await self.desk.status_set(session_id, status)
         if status == SessionStatus.CLOSED:
             freed = await self.release_cache(session_id)
             await self.context.record_release(session_id, freed, reason, actor)
@@ -257,10 +273,17 @@ class ChatService:
                 async with self._sm() as db:
                     await store.await_reply(db, message)
             turn = Turn(session_id, tenant.id, frame.client_msg_id, message.seq, context)
-            self._turns.start(turn, self._runner.run)
+            self._turns.start(turn, self._run_turn)
         elif status == before:
             # NOTE: tell the sender no bot reply is coming (a status change was already published to everyone).
             reply_to(SessionStatusFrame(session_id=session_id, status=status.value))
+            if status in WAITING and not duplicate:
+                await self.desk.customer_wrote(tenant.id, message, status)
+
+    async def _run_turn(self, turn: Turn) -> None:
+        settings = await self.desk.handoff_settings(turn.tenant_id)
+        await self._runner.run(turn)
+        await self.desk.after_bot_turn(settings, turn.session_id, turn.user_seq)
 
     async def _observe_customer(self, tenant_id: str, session_id: str, message: Message) -> SessionContext | None:
         """Split the message, move the topic; announce a topic shift to every socket of the session. Returns the
@@ -293,8 +316,7 @@ class ChatService:
             status = SessionStatus.BOT_ACTIVE  # a customer reply reopens a resolved session
             await self.set_status(session_id, status)
         if status == SessionStatus.BOT_ACTIVE and asks_for_human(text):
-            status = SessionStatus.AGENT_REQUESTED
-            await self.set_status(session_id, status)
+            status = await self.desk.handoff(session_id, HandoffReason.CUSTOMER_ASKED)
         return status
 
     def cancel(self, session_id: str, client_msg_id: str | None) -> bool:

@@ -7,7 +7,7 @@ import secrets
 
 from backend.domain import KeyKind
 
-_PREFIX = {KeyKind.CHAT: "kvc_chat_", KeyKind.ADMIN: "kvc_admin_"}
+_PREFIX = {KeyKind.CHAT: "kvc_chat_", KeyKind.ADMIN: "kvc_admin_", KeyKind.AGENT: "kvc_agent_"}
 
 
 def generate_key(kind: KeyKind) -> str:

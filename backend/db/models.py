@@ -93,6 +93,8 @@ class ApiKey(Base):
     prefix: Mapped[str] = mapped_column(String(12))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # an ``agent`` key's person (``agents``); None for chat and admin keys
+    agent_id: Mapped[str | None] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"), nullable=True, index=True)
 
 
 class ChatSession(Base):
@@ -134,6 +136,8 @@ class Message(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     # a reply that called tools: the calls and results it was generated after (backend/services/tool_exchange.py)
     tool_exchange: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # role ``agent``: the person who wrote it (None: an admin key, or an agent deleted since)
+    agent_id: Mapped[str | None] = mapped_column(ForeignKey("agents.id", ondelete="SET NULL"), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -300,4 +304,65 @@ class TenantFairShare(Base):
     weight: Mapped[float] = mapped_column(Float, default=1.0)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_concurrent: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class Agent(Base):
+    """A person of a tenant who answers hand-offs; their ``agent`` keys are ``api_keys`` rows with ``agent_id``."""
+
+    __tablename__ = "agents"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_agents_tenant_name"),)
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(100))  # shown to the customer ("Dana joined the chat")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Handoff(Base):
+    """One hand-off of a session to the inbox, from the request to its end (``backend/services/inbox.py``).
+
+    A session has at most one open hand-off (``ended_at`` None); ``holder`` is who holds it now: an agent's id, or
+    ``admin:<key id>`` for an admin key acting as an agent.
+    """
+
+    __tablename__ = "handoffs"
+    __table_args__ = (Index("ix_handoffs_tenant_ended", "tenant_id", "ended_at"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    session_id: Mapped[str] = mapped_column(ForeignKey("chat_sessions.id", ondelete="CASCADE"), index=True)
+    reason: Mapped[str] = mapped_column(String(32))  # HandoffReason
+    requested_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    holder: Mapped[str | None] = mapped_column(String(80), nullable=True)
+    holder_name: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    # NOTE: the first claim's time stays when the session is released or transferred: it is the wait the customer
+    # had, which the expected wait of the next customers is computed from.
+    first_claimed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    first_reply_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    outcome: Mapped[str | None] = mapped_column(String(16), nullable=True)  # HandoffOutcome
+
+
+class AgentNote(Base):
+    """A private note on a session: agents and admins read it; the customer and the prompt never do."""
+
+    __tablename__ = "agent_notes"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("chat_sessions.id", ondelete="CASCADE"), index=True)
+    author: Mapped[str] = mapped_column(String(100))
+    agent_id: Mapped[str | None] = mapped_column(ForeignKey("agents.id", ondelete="SET NULL"), nullable=True)
+    text: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TenantHandoffSettings(Base):
+    """When the bot hands a session to a person on its own (``backend/services/handoff_settings.py``); no row: never
+    (only the customer's request does)."""
+
+    __tablename__ = "tenant_handoff_settings"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    no_progress_turns: Mapped[int] = mapped_column(Integer, default=0)  # 0: off
+    on_tool_failure: Mapped[bool] = mapped_column(Boolean, default=False)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)

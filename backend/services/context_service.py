@@ -327,6 +327,7 @@ class ContextService:
                 and m.status == MessageStatus.COMPLETE.value
                 and (m.reply_to_seq or 0) < user_seq
             )
+            or (m.role == MessageRole.AGENT.value and m.seq < user_seq)  # a person's turns: ordinary history
         )
         epoch = ctx.epochs.get(user_seq, ctx.epoch)
         by_title = {s.title: s for s in ctx.handbook.sections}
@@ -471,7 +472,9 @@ async def _tenant(db: AsyncSession, tenant_id: str) -> Tenant:
 
 def _history_message(m: Message, epoch: int, blocks: tuple[Block, ...], family: ToolFamily) -> HistoryMessage:
     """A stored message as context: a reply that called tools comes with its calls and results, then its answer."""
-    role = MessageRole(m.role)
+    # NOTE: a human agent's reply is an assistant turn of the prompt: chat templates know no other speaker, and the
+    # customer was answered by "the assistant" either way.
+    role = MessageRole.ASSISTANT if m.role == MessageRole.AGENT.value else MessageRole(m.role)
     if not m.tool_exchange:
         return HistoryMessage(m.seq, role, m.content, epoch, blocks)
     try:

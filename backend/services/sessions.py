@@ -82,6 +82,16 @@ async def lock_session(db: AsyncSession, tenant_id: str, session_id: str) -> Cha
     return session
 
 
+async def lock_any(db: AsyncSession, session_id: str) -> ChatSession:
+    """The session, whoever its tenant, locked for this transaction (the server's own steps: a hand-off)."""
+    return await _lock_session(db, session_id)
+
+
+async def next_seq(db: AsyncSession, session_id: str) -> int:
+    """The seq of the session's next message; only under the session's lock (``lock_session``)."""
+    return await _next_seq(db, session_id)
+
+
 async def _lock_session(db: AsyncSession, session_id: str) -> ChatSession:
     # NOTE: a write first: it takes SQLite's database write lock (FOR UPDATE is a no-op there and the driver opens the
     # transaction lazily), and the row lock on Postgres, so two inserts into one session never read the same max(seq).

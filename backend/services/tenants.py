@@ -23,6 +23,7 @@ from backend.core.errors import KeyNotFoundError, KeyRevokedError, TenantExistsE
 from backend.core.security import display_prefix, generate_key, hash_key
 from backend.db.models import ApiKey, HandbookSection, Tenant, utcnow
 from backend.domain import KeyKind
+from backend.services.inbox_errors import AgentKeyKindError
 from backend.services.revocation import announce_revoked
 
 DEFAULT_TENANT = "default"
@@ -156,17 +157,25 @@ async def set_v1_contact_guard(db: AsyncSession, tenant_id: str, enabled: bool) 
     return tenant
 
 
-async def issue_key(db: AsyncSession, tenant_id: str, kind: KeyKind) -> IssuedKey:
-    """Generate a key for the tenant (flushed; the caller commits)."""
+async def issue_key(db: AsyncSession, tenant_id: str, kind: KeyKind, agent_id: str | None = None) -> IssuedKey:
+    """Generate a key for the tenant (flushed; the caller commits); an ``agent`` key names its person
+    (``backend/services/agents.py``)."""
+    if (kind == KeyKind.AGENT) != (agent_id is not None):
+        raise AgentKeyKindError("an agent key is issued for an agent (backend/services/agents.py), and only it")
     key = generate_key(kind)
-    row = ApiKey(tenant_id=tenant_id, kind=kind.value, key_hash=hash_key(key), prefix=display_prefix(key))
+    row = ApiKey(
+        tenant_id=tenant_id, kind=kind.value, key_hash=hash_key(key), prefix=display_prefix(key), agent_id=agent_id
+    )
     db.add(row)
     await db.flush()
     return IssuedKey(row.id, kind, key, row.prefix)
 
 
 async def rotate_key(db: AsyncSession, tenant_id: str, kind: KeyKind) -> IssuedKey:
-    """Revoke every active key of ``kind`` and issue one new key, in the caller's transaction."""
+    """Revoke every active key of ``kind`` and issue one new key, in the caller's transaction (an agent's keys are
+    rotated per agent: ``agents.rotate_agent_key``)."""
+    if kind == KeyKind.AGENT:
+        raise AgentKeyKindError("agent keys are rotated per agent: POST /admin/tenant/agents/{agent_id}/rotate")
     revoked = await db.execute(
         update(ApiKey)
         .where(ApiKey.tenant_id == tenant_id, ApiKey.kind == kind.value, ApiKey.revoked_at.is_(None))

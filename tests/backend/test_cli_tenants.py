@@ -86,3 +86,25 @@ def test_an_unmigrated_database_says_what_to_do(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert done.stderr.strip().startswith("error: the database failed:")
     assert "kvchat migrate" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_add_an_agent_rotate_their_key_and_revoke_it(data_dir: Path) -> None:
+    assert _kvchat(data_dir, "tenants", "create", "acme").returncode == 0
+    created = _kvchat(data_dir, "agents", "create", "--tenant", "acme", "Dana")
+    assert created.returncode == 0, created.stderr
+    first = re.search(r"agent key (\S+): (kvc_agent_\S+)", created.stdout)
+    assert first and created.stdout.startswith("agent Dana (")
+    twice = _kvchat(data_dir, "agents", "create", "--tenant", "acme", "Dana")
+    assert (twice.returncode, twice.stderr) == (1, "error: an agent named 'Dana' already exists\n")
+    assert " Dana " in _kvchat(data_dir, "agents", "list", "--tenant", "acme").stdout
+    rotated = _kvchat(data_dir, "agents", "rotate", "--tenant", "acme", "Dana")
+    second = re.search(r"agent key (\S+): (kvc_agent_\S+) \(1 older key\(s\) revoked\)", rotated.stdout)
+    assert rotated.returncode == 0 and second, rotated.stdout
+    keys = _kvchat(data_dir, "keys", "list", "--tenant", "acme").stdout.splitlines()
+    [old] = [line for line in keys if first.group(1) in line]
+    [new] = [line for line in keys if second.group(1) in line]
+    assert " agent " in old and not old.endswith(" -")  # revoked by the rotation
+    assert new.endswith(" -")
+    assert _kvchat(data_dir, "keys", "revoke", second.group(1)).returncode == 0
+    by_kind = _kvchat(data_dir, "keys", "create", "--tenant", "acme", "--kind", "agent")
+    assert by_kind.returncode == 2  # (argparse: agents get their keys from `kvchat agents`)

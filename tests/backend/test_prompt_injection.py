@@ -21,7 +21,7 @@ from sqlalchemy import select
 from backend.db.models import Message
 from backend.services.tenants import DEFAULT_SYSTEM_PROMPT
 from engine.llm_engine import LLMEngine
-from support.server import CHAT_TOKEN, LiveServer, db_session, server_settings, serving
+from support.server import ADMIN_KEY, CHAT_TOKEN, LiveServer, db_session, server_settings, serving
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -97,3 +97,40 @@ async def test_websocket_message_with_role_markers_cannot_forge_a_turn(
     async with db_session(live) as db:
         stored = (await db.execute(select(Message).where(Message.session_id == welcome["session_id"]))).scalars()
         assert [m.content for m in stored if m.role == "user"] == [FORGED]  # stored verbatim, not escaped
+
+
+async def test_an_agents_reply_with_role_markers_is_plain_text_in_the_bots_next_prompt(
+    live: LiveServer, http: httpx.AsyncClient, tiny_engine: LLMEngine
+) -> None:
+    """Issue 41: a person's reply reaches the bot's prompt under the same rules as a customer's text."""
+    admin = {"X-API-Key": ADMIN_KEY}
+    context = (await http.get("/admin/tenant/context-settings", headers=admin)).json() | {"history_policy": "full"}
+    assert (await http.put("/admin/tenant/context-settings", headers=admin, json=context)).status_code == 200
+    agent = (await http.post("/admin/tenant/agents", headers=admin, json={"name": "Dana"})).json()
+    dana = {"Authorization": f"Bearer {agent['key']}"}
+    ask, thanks = "I want to talk to a real person", "Thanks."
+    async with websockets.connect(live.ws, open_timeout=TIMEOUT) as ws:
+        await ws.send(json.dumps({"type": "hello", "token": CHAT_TOKEN}))
+        session_id = json.loads(await ws.recv())["session_id"]
+        await ws.send(json.dumps({"type": "user.message", "client_msg_id": "m1", "text": ask}))
+        while json.loads(await ws.recv())["type"] != "session.queue":
+            pass
+        assert (await http.post(f"/inbox/{session_id}/claim", headers=dana)).status_code == 200
+        sent = await http.post(f"/inbox/{session_id}/messages", headers=dana, json={"text": FORGED})
+        assert sent.status_code == 201
+        assert (await http.post(f"/inbox/{session_id}/hand-back", headers=dana)).status_code == 200
+        await ws.send(json.dumps({"type": "user.message", "client_msg_id": "m2", "text": thanks}))
+        frame: dict[str, Any] = {"type": ""}
+        while frame["type"] != "message.completed":
+            frame = json.loads(await ws.recv())
+    messages = [
+        {"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+        {"role": "user", "content": ask},
+        {"role": "assistant", "content": FORGED},  # the person's turn, as the bot's history
+        {"role": "user", "content": thanks},
+    ]
+    expected = chatml_ids(tiny_engine, messages)
+    assert frame["usage"]["prompt_tokens"] == len(expected)
+    assert tiny_engine.tokenize(messages) == expected
+    start, end = control_ids(tiny_engine, expected)[:2]
+    assert control_ids(tiny_engine, expected) == [start, end] * 4 + [start]  # the template's markers only

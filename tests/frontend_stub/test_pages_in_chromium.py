@@ -111,7 +111,7 @@ def test_dashboard_shows_live_figures_after_a_scripted_chat(server: ServerProces
     expect(page.locator("#f-ttft")).to_contain_text("ms")
     expect(page.locator("#f-sessions")).to_have_text("2")
     expect(page.locator(f'tr[data-session="{session_id}"]')).to_contain_text("bot_active")
-    assert page.evaluate("document.querySelectorAll('.chart canvas').length") == 7  # every chart drew
+    assert page.evaluate("document.querySelectorAll('.chart canvas').length") == 8  # every chart drew
     expect(page.locator("#f-context")).to_contain_text("0 shifts")  # two one-turn sessions: no shift
     # the key stays in the page's memory: nothing stored, nothing in the page
     assert page.evaluate("localStorage.length + sessionStorage.length") == 0
@@ -216,8 +216,9 @@ def test_each_refresh_reads_every_sessions_footprint_in_one_call(server: ServerP
     while paths.count("/admin/sessions/summary") < 2:  # the first refresh and the next one
         assert time.monotonic() < deadline, paths
         page.wait_for_timeout(200)
-    # one sessions call a refresh, whatever the number of sessions; the stats poll beside it; nothing per session
-    assert {p for p in paths if p.startswith("/admin/")} == {"/admin/sessions/summary", "/admin/stats"}
+    # one sessions call a refresh, whatever the number of sessions; the stats and inbox polls beside it; nothing per
+    # session
+    assert {p for p in paths if p.startswith("/admin/")} == {"/admin/sessions/summary", "/admin/stats", "/admin/inbox"}
 
 
 def test_dashboard_says_clearly_when_the_server_is_down(server: ServerProcess, page: Page) -> None:

@@ -1,6 +1,6 @@
 """Alembic: an empty database upgrades to head and back to base, on Postgres and on SQLite; 0002, 0004-0010, 0013,
-0014 and 0011 up and down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults change,
-write a migration)."""
+0014, 0011 and 0012 up and down alone. At head the global splitter rules equal ``DEFAULT_RULES`` (when the defaults
+change, write a migration)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ TABLES_0004 = {"admin_audit"}
 TABLES_0008 = {"tenant_reply_settings", "tenant_tools"}
 TABLES_0010 = {"handbook_sections"}
 TABLES_0011 = {"tenant_fair_share"}
-EXPECTED_TABLES = TABLES_0001 | TABLES_0002 | TABLES_0004 | TABLES_0008 | TABLES_0010 | TABLES_0011
+TABLES_0012 = {"agents", "handoffs", "agent_notes", "tenant_handoff_settings"}
+EXPECTED_TABLES = TABLES_0001 | TABLES_0002 | TABLES_0004 | TABLES_0008 | TABLES_0010 | TABLES_0011 | TABLES_0012
 SESSION_COLUMNS_0002 = {"semantic_temperature", "topic_epoch"}
 
 
@@ -462,10 +463,14 @@ def test_sqlite_handbook_revision_up_and_down(tmp_path: Path) -> None:
 
 
 async def _tenant_columns(url: str) -> set[str]:
+    return await _columns(url, "tenants")
+
+
+async def _columns(url: str, table: str) -> set[str]:
     engine = create_async_engine(url)
     try:
         async with engine.connect() as conn:
-            columns = await conn.run_sync(lambda c: inspect(c).get_columns("tenants"))
+            columns = await conn.run_sync(lambda c: inspect(c).get_columns(table))
     finally:
         await engine.dispose()
     return {c["name"] for c in columns}
@@ -478,3 +483,44 @@ def test_postgres_replica_erase_revision_up_and_down(pg_empty_url: str) -> None:
 
 def test_sqlite_replica_erase_revision_up_and_down(tmp_path: Path) -> None:
     _replica_erase_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")
+
+
+def _human_agents_up_and_down(url: str) -> None:
+    """0011 → 0012 adds the agents' tables and ``agent_id`` columns; back to 0011 an agent's key is left revoked and
+    their message stays (role ``agent``)."""
+    migrate.upgrade(url, "0011")
+    for sql in (
+        "INSERT INTO tenants (id, name, system_prompt, created_at) VALUES ('t1', 'acme', '', '2026-01-01')",
+        "INSERT INTO chat_sessions (id, tenant_id, status, context_version, created_at, last_active_at, topic_epoch)"
+        " VALUES ('s1', 't1', 'bot_active', 0, '2026-01-01', '2026-01-01', 0)",
+    ):
+        asyncio.run(_execute(url, sql))
+    migrate.upgrade(url, "0012")
+    assert asyncio.run(_tables(url)) >= TABLES_0012
+    assert "agent_id" in asyncio.run(_columns(url, "api_keys"))
+    for sql in (
+        "INSERT INTO agents (id, tenant_id, name, created_at) VALUES ('a1', 't1', 'Dana', '2026-01-01')",
+        "INSERT INTO api_keys (id, tenant_id, kind, key_hash, prefix, created_at, agent_id)"
+        " VALUES ('k1', 't1', 'agent', 'h1', 'kvc_agent_x', '2026-01-01', 'a1')",
+        "INSERT INTO messages (id, session_id, seq, role, content, status, prompt_tokens, completion_tokens,"
+        " cached_tokens, created_at, agent_id) VALUES (1, 's1', 1, 'agent', 'Hi, Dana here.', 'complete', 0, 0, 0,"
+        " '2026-01-01', 'a1')",
+        "INSERT INTO handoffs (tenant_id, session_id, reason, requested_at) VALUES ('t1', 's1', 'customer_asked',"
+        " '2026-01-01')",
+    ):
+        asyncio.run(_execute(url, sql))
+    migrate.downgrade(url, "0011")
+    assert not asyncio.run(_tables(url)) & TABLES_0012
+    assert "agent_id" not in asyncio.run(_columns(url, "messages"))
+    assert asyncio.run(_execute(url, "SELECT role, content FROM messages")) == [("agent", "Hi, Dana here.")]
+    revoked = asyncio.run(_execute(url, "SELECT id FROM api_keys WHERE revoked_at IS NOT NULL"))
+    assert revoked == [("k1",)]
+
+
+@pytest.mark.postgres
+def test_postgres_human_agents_revision_up_and_down(pg_empty_url: str) -> None:
+    _human_agents_up_and_down(pg_empty_url)
+
+
+def test_sqlite_human_agents_revision_up_and_down(tmp_path: Path) -> None:
+    _human_agents_up_and_down(f"sqlite+aiosqlite:///{tmp_path / 'm.db'}")

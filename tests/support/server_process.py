@@ -80,10 +80,13 @@ class ServerProcess:
         return phase
 
 
-def start_server_process(env: dict[str, str], log_path: Path, timeout_s: float = 300.0) -> ServerProcess:
+def start_server_process(
+    env: dict[str, str], log_path: Path, timeout_s: float = 300.0, port: int | None = None
+) -> ServerProcess:
     """Start ``kvchat serve`` with ``env`` (on top of this process's env) and wait until its start is done (``/livez``
-    answers from the first moment, with the phase: ``ready`` when it is done)."""
-    server = launch_server_process(env, log_path)
+    answers from the first moment, with the phase: ``ready`` when it is done). ``port``: a given one (a restart on
+    the port its clients know), else a free one."""
+    server = launch_server_process(env, log_path, port)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.phase() == "ready":
@@ -93,9 +96,9 @@ def start_server_process(env: dict[str, str], log_path: Path, timeout_s: float =
     raise RuntimeError(f"kvchat serve was not ready within {timeout_s:.0f}s:\n{server.log()[-4000:]}")
 
 
-def launch_server_process(env: dict[str, str], log_path: Path) -> ServerProcess:
+def launch_server_process(env: dict[str, str], log_path: Path, port: int | None = None) -> ServerProcess:
     """Start ``kvchat serve`` with ``env`` and return at once (it listens before its start is done)."""
-    port = free_port()
+    port = port or free_port()
     full_env = os.environ | {"KVCHAT_HOST": "127.0.0.1", "KVCHAT_PORT": str(port)} | env
     with log_path.open("ab") as log:
         proc = subprocess.Popen(

@@ -52,3 +52,16 @@ async def test_quit_or_end_of_input_ends_the_chat(
     assert list(users) == ["Where is my order?"]  # nothing typed after /quit was sent
     assert "/quit or Ctrl-D quits" in done.stderr.splitlines()[0]
     assert "Traceback" not in done.stderr
+
+
+async def test_asking_for_a_person_prints_the_queue_and_no_empty_bot_line(
+    sqlite_url: str, tmp_path: Path, tiny_engine: LLMEngine
+) -> None:
+    settings = server_settings(sqlite_url, tmp_path, reply_max_tokens=4)
+    with serving(settings, tiny_engine) as live:
+        typed = "I want to talk to a real person\n/quit\n"
+        done = await asyncio.to_thread(_chat, "--url", live.ws, "--token", CHAT_TOKEN, typed=typed)
+    assert done.returncode == 0, done.stderr
+    assert "bot>" not in done.stdout  # no bot reply is coming: no empty "bot>" line
+    assert "(session is now agent requested)" in done.stderr.splitlines()
+    assert "(you are number 1 in the queue)" in done.stderr.splitlines()

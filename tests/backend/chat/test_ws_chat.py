@@ -214,9 +214,12 @@ async def test_asking_for_a_human_stops_the_bot(live_server: LiveServer) -> None
         status = await chat.recv()
         assert ack["type"] == "message.ack"
         assert status == {"type": "session.status", "session_id": session_id, "status": "agent_requested"}
+        place = {"type": "session.queue", "session_id": session_id, "position": 1, "expected_wait_s": None}
+        assert (await chat.recv()) == place  # the customer's place in the queue (issue 41)
         await chat.send(type="user.message", client_msg_id="h2", text="hello?")
         assert (await chat.recv())["type"] == "message.ack"
         assert (await chat.recv()) == status  # no bot reply is coming: the sender is told why
+        assert (await chat.recv()) == place
         await chat.send(type="ping")
         assert (await chat.recv())["type"] == "pong"  # no reply was generated in between
     assert await _count_messages(live_server, session_id) == 2

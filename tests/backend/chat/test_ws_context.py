@@ -57,17 +57,22 @@ async def test_messages_are_split_and_the_topic_reaches_the_client(live: LiveSer
     async with _connect(live) as ws:
         chat = Chat(ws)
         welcome = await chat.hello()
-        assert welcome["topic"] == {"epoch": 0, "temperature": None}
+        assert welcome["topic"] == {"epoch": 0, "temperature": None, "section": []}
         session_id = welcome["session_id"]
         _, first = await chat.turn("a", PARCEL)
         frames, second = await chat.turn("b", KETTLE)
-    assert first["topic"] == {"epoch": 0, "temperature": 0.8}
+    assert first["topic"] == {"epoch": 0, "temperature": 0.8, "section": []}
     # a new order number the bot did not ask for is a new problem: a topic shift, announced before the reply
     shift = [f for f in frames if f["type"] == "session.topic"]
     assert shift == [
-        {"type": "session.topic", "session_id": session_id, "seq": 3, "topic": {"epoch": 1, "temperature": 0.3}}
+        {
+            "type": "session.topic",
+            "session_id": session_id,
+            "seq": 3,
+            "topic": {"epoch": 1, "temperature": 0.3, "section": []},
+        }
     ]
-    assert second["topic"] == {"epoch": 1, "temperature": 0.3}
+    assert second["topic"] == {"epoch": 1, "temperature": 0.3, "section": []}
 
     history = await _rows(live, TopicHistory, session_id)
     assert [(h.message_seq, h.temperature, h.shift, h.topic_epoch) for h in history] == [
@@ -292,7 +297,9 @@ async def test_a_full_policy_tenant_keeps_every_turn_and_frees_nothing(
         prompt1 = _ids(context.last_prompt(session_id))
         frames, second = await chat.turn("b", KETTLE)
         prompt2 = _ids(context.last_prompt(session_id))
-    assert [f["topic"] for f in frames if f["type"] == "session.topic"] == [{"epoch": 1, "temperature": 0.3}]
+    assert [f["topic"] for f in frames if f["type"] == "session.topic"] == [
+        {"epoch": 1, "temperature": 0.3, "section": []}
+    ]
     # the shift is tracked, but under ``full`` nothing leaves the prompt: it extends turn 1's, nothing is freed
     assert prompt2[: len(prompt1)] == prompt1
     assert await _rows(live, InvalidationEvent, session_id) == []

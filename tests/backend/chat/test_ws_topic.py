@@ -47,10 +47,15 @@ async def test_a_second_issue_without_any_number_starts_a_new_topic(live: LiveSe
     assert follow["topic"]["epoch"] == 0
     topics = [f for f in shift_frames if f["type"] == "session.topic"]
     assert topics == [
-        {"type": "session.topic", "session_id": session_id, "seq": 5, "topic": {"epoch": 1, "temperature": 0.3}}
+        {
+            "type": "session.topic",
+            "session_id": session_id,
+            "seq": 5,
+            "topic": {"epoch": 1, "temperature": 0.3, "section": []},
+        }
     ]
     assert shift_frames.index(topics[0]) < next(i for i, f in enumerate(shift_frames) if f["type"] == "message.delta")
-    assert shifted["topic"] == {"epoch": 1, "temperature": 0.3}
+    assert shifted["topic"] == {"epoch": 1, "temperature": 0.3, "section": []}
     history = await _rows(live, TopicHistory, session_id)
     assert [(h.message_seq, h.shift, h.topic_epoch) for h in history] == [(1, False, 0), (3, False, 0), (5, True, 1)]
     threshold = TopicSettings().shift_threshold
@@ -66,6 +71,7 @@ async def test_a_chinese_handoff_request_sets_agent_requested(live: LiveServer, 
         assert (await chat.recv())["type"] == "message.ack"
         status = await chat.recv()
         assert status == {"type": "session.status", "session_id": session_id, "status": "agent_requested"}
+        assert (await chat.recv())["type"] == "session.queue"  # (issue 41: the place in the queue)
         await chat.send(type="ping")
         assert (await chat.recv())["type"] == "pong"  # no bot reply was generated
     messages = await _rows(live, Message, session_id)
