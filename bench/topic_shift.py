@@ -67,7 +67,7 @@ SCORERS = ("clf-static", "clf-minilm", "minilm", "tfidf")
 CLASSIFIERS = ("clf-static", "clf-minilm")
 MAX_FALSE_SHIFTS = 0.05
 MAX_IDENTIFIER_SHIFTS = 0.02  # issue 40: the first identifier of an ongoing issue is no topic change
-THRESHOLDS = [round(x, 2) for x in np.arange(0.05, 0.96, 0.025)]
+THRESHOLDS = [round(float(x), 2) for x in np.arange(0.05, 0.96, 0.025)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +156,7 @@ def score_cases(sessions: list[Case], settings: TopicSettings, scorer: ShiftScor
                 true_shifts += 1
             elif update.shift:
                 false_shifts += 1
-            probe_shifts += update.shift and i == case.probe
+            probe_shifts += int(update.shift and i == case.probe)
     seams = sum(case.seam is not None for case in sessions)
     probes = sum(case.probe is not None for case in sessions)
     return Score(len(sessions), seams, true_shifts, false_shifts, seams - true_shifts, scored, probes, probe_shifts)
