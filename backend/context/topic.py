@@ -206,7 +206,8 @@ class CosineScorer:
       says little, and a chat is full of them;
     - a message naming an identifier (order, account, ticket number; not a phone or e-mail) the epoch already named
       is on topic (s = 1); naming only identifiers the epoch has not seen caps s at ``new_identifier_cap`` (a new
-      order is a new problem), unless the last agent message asked for such a number (then it is the answer).
+      order is a new problem), unless the last agent message asked for such a number (then it is the answer) or the
+      epoch named none yet (the first order number of an issue numbers that issue: the backend decides).
     """
 
     def __init__(self, backend: SimilarityBackend) -> None:
@@ -217,7 +218,7 @@ class CosineScorer:
         cosine = self.backend.similarity(message, state.recent[-settings.window :])
         if found & state.identifiers:
             return 1.0
-        if found and not state.asked_for_identifier:
+        if found and state.identifiers and not state.asked_for_identifier:
             return min(cosine, settings.new_identifier_cap)
         if evidence_words(message) < settings.min_evidence_words:
             return max(cosine, settings.shift_threshold)
