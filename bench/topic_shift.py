@@ -139,6 +139,23 @@ class _Memo:
         return self.cache[key]
 
 
+class _MemoScorer:
+    """Caches a scorer's answer per message and epoch: the threshold search replays each session at 37 thresholds,
+    and most of them reach a message with the same epoch (exact: the features read nothing else)."""
+
+    def __init__(self, scorer: ShiftScorer) -> None:
+        self.name = scorer.name
+        self.scorer = scorer
+        self.cache: dict[tuple[Any, ...], float] = {}
+
+    def on_topic(self, message: str, found: frozenset[str], state: TopicState, settings: TopicSettings) -> float:
+        epoch = (tuple(state.customer), state.agent, frozenset(state.identifiers), state.asked_for_identifier)
+        key = (message, found, *epoch)
+        if key not in self.cache:
+            self.cache[key] = self.scorer.on_topic(message, found, state, settings)
+        return self.cache[key]
+
+
 def score_cases(sessions: list[Case], settings: TopicSettings, scorer: ShiftScorer, ident: Identify) -> Score:
     """Replay each session through a ``TopicTracker`` as the chat service does, and count its shifts."""
     true_shifts = false_shifts = scored = probe_shifts = 0
@@ -191,7 +208,7 @@ def train(tuning: list[Pair], name: str, embedder: Embedder, ident: Identify) ->
     totals: dict[float, list[Score]] = {t: [] for t in THRESHOLDS}
     for fit_on, judge_on in (folds, folds[::-1]):
         model = _fit(fit_on, embedder, ident, settings.window)
-        scorer = ShiftClassifier(model, embedder, name)
+        scorer = _MemoScorer(ShiftClassifier(model, embedder, name))
         for kind in KINDS:
             judged = cases(kind, judge_on)
             for t in THRESHOLDS:

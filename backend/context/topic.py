@@ -106,7 +106,7 @@ class TopicSettings:
     ``window``, ``min_evidence_words`` and ``new_identifier_cap`` only matter to the cosine scorers.
     """
 
-    shift_threshold: float = 0.75
+    shift_threshold: float = 0.78
     start_temperature: float = 0.8
     shift_temperature: float = 0.3
     warm_rate: float = 0.5
@@ -129,7 +129,7 @@ DESIGN_SHIFT_THRESHOLD = 0.3  # the product design's value, reported next to the
 # Tuned with `python -m bench.topic_shift --train` (the classifiers: the threshold is stored with the model too) and
 # `--tune` (the cosine scorers), on the tuning half of cucom_ecommerce_dev.jsonl only.
 TUNED_SETTINGS: dict[str, TopicSettings] = {
-    "clf-static": TopicSettings(shift_threshold=0.75, backend="clf-static"),
+    "clf-static": TopicSettings(shift_threshold=0.78, backend="clf-static"),
     "clf-minilm": TopicSettings(shift_threshold=0.73, backend="clf-minilm"),
     "minilm": TopicSettings(shift_threshold=0.01, window=2, min_evidence_words=0, backend="minilm"),
     "tfidf": TopicSettings(shift_threshold=0.01, window=8, min_evidence_words=4, backend="tfidf"),
