@@ -130,7 +130,7 @@ DESIGN_SHIFT_THRESHOLD = 0.3  # the product design's value, reported next to the
 # `--tune` (the cosine scorers), on the tuning half of cucom_ecommerce_dev.jsonl only.
 TUNED_SETTINGS: dict[str, TopicSettings] = {
     "clf-static": TopicSettings(shift_threshold=0.78, backend="clf-static"),
-    "clf-minilm": TopicSettings(shift_threshold=0.73, backend="clf-minilm"),
+    "clf-minilm": TopicSettings(shift_threshold=0.75, backend="clf-minilm"),
     "minilm": TopicSettings(shift_threshold=0.01, window=2, min_evidence_words=0, backend="minilm"),
     "tfidf": TopicSettings(shift_threshold=0.01, window=8, min_evidence_words=4, backend="tfidf"),
     "none": TopicSettings(backend="none"),
