@@ -8,7 +8,12 @@
   conversation 2k+1, without its greeting, without any token that holds a digit, and without a sentence that only
   named the order ("Order ID: 205-4891237-5649811." is gone; "I received the wrong item." stays);
 - ``second-issue-cued``: the same, the second issue announced with a cue phrase ("Also, ", "One more thing: ",
-  "另外，"; one of ``CUES`` in turn).
+  "另外，"; one of ``CUES`` in turn);
+- ``identifier-mid-issue``: each conversation of the pairs alone (one issue, no seam: every shift is false), its
+  first order number, tracking number or e-mail address given in a later customer message (``Case.probe``). A
+  conversation that does this itself is kept as it is; every other one loses its digit tokens (as ``masked``) and
+  gets a sentence such as "My order number is 302-1234567." or "Tracking number 1Z4F8W2A0312345678." added to a
+  random customer message after its first (``identifier_sentence``: varied templates and realistic formats).
 
 NOTE: no customer message in the CuCom data opens with a cue phrase, so a classifier trained on the first three sets
 learns nothing about cues. Training (``bench.topic_shift --train``) adds the cued set on the assumption that a
@@ -21,14 +26,19 @@ Only customer messages are scored, each session's first excepted.
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.context.rules import DEFAULT_RULES, RuleSet
+from backend.context.topic import identifier_keys
 from bench.datasets import read_text
 
-KINDS = ("spliced", "masked", "second-issue", "second-issue-cued")
+IDENTIFIER_KIND = "identifier-mid-issue"
+KINDS = ("spliced", "masked", "second-issue", "second-issue-cued", IDENTIFIER_KIND)
 CUES = ("Also, ", "One more thing: ", "Another issue: ", "By the way, ", "Oh and also ", "另外，", "还有，")
 PARTS = ("tune", "held_out")
 
@@ -59,10 +69,12 @@ class Turn:
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    """One session: its turns, and the index of the customer message that opens the second topic."""
+    """One session: its turns, the index of the customer message that opens the second topic (None: one topic),
+    and of the customer message that gives the topic's first identifier (``identifier-mid-issue`` only)."""
 
     turns: tuple[Turn, ...]
-    seam: int
+    seam: int | None
+    probe: int | None = None
 
 
 Conversation = tuple[Turn, ...]
@@ -104,6 +116,9 @@ def cases(kind: str, pairs_: list[Pair]) -> list[Case]:
     """The sessions of set ``kind`` made from ``pairs_``."""
     if kind == "second-issue-cued":
         return [_cued(_second_issue(a, b), CUES[i % len(CUES)]) for i, (a, b) in enumerate(pairs_)]
+    if kind == IDENTIFIER_KIND:
+        singles = [c for pair in pairs_ for c in pair]
+        return [case for i, c in enumerate(singles) if (case := _identifier_mid_issue(c, random.Random(i)))]
     build: Callable[[Conversation, Conversation], Case] = {
         "spliced": _spliced,
         "masked": _masked,
@@ -127,8 +142,83 @@ def _second_issue(a: Conversation, b: Conversation) -> Case:
 
 
 def _cued(case: Case, cue: str) -> Case:
+    assert case.seam is not None
     opening = case.turns[case.seam].text
     return Case((*case.turns[: case.seam], Turn(True, cue + opening[:1].lower() + opening[1:])), case.seam)
+
+
+_IDENTIFY = identifier_keys(RuleSet.compile(DEFAULT_RULES))
+_ORDER_FORMATS = ("{d3}-{d7}-{e7}", "{d3}-{d7}", "#{d10}", "OD{d15}", "{d10}", "#{d3}-{d7}-{e7}")
+_TRACKING_FORMATS = ("1Z{a6}03{d8}", "{d12}", "9400{d18}", "EE{d9}IN", "AWB{d11}")
+_NAMES = ("priya.sharma", "john.miller", "rahul_k", "mei.lin", "carlos.diaz", "anna.schmidt", "sam.okafor")
+_MAIL_HOSTS = ("gmail.com", "yahoo.co.in", "outlook.com", "hotmail.com", "icloud.com")
+_TEMPLATES = {
+    "order": (
+        "My order number is {x}.",
+        "Order {x}.",
+        "Order ID: {x}",
+        "The order id is {x}.",
+        "order no {x}",
+        "Here's my order number: {x}.",
+        "This is about order {x}.",
+        "fyi the order is {x}",
+    ),
+    "tracking": (
+        "Tracking number {x}.",
+        "The tracking number is {x}.",
+        "tracking no: {x}",
+        "Here is the tracking id {x}",
+        "my tracking number says {x}",
+    ),
+    "email": (
+        "My email is {x}.",
+        "My email address is {x}",
+        "You can reach me at {x}.",
+        "the email on the account is {x}",
+        "email: {x}",
+    ),
+}
+
+
+def identifier_sentence(rng: random.Random) -> str:
+    """A sentence that gives an order number (half the time), a tracking number or an e-mail address."""
+    kind = rng.choice(("order", "order", "tracking", "email"))
+    if kind == "email":
+        value = f"{rng.choice(_NAMES)}{rng.randint(1, 99)}@{rng.choice(_MAIL_HOSTS)}"
+    else:
+        shape = rng.choice(_ORDER_FORMATS if kind == "order" else _TRACKING_FORMATS)
+        value = shape.format(**_fields(rng))
+    return rng.choice(_TEMPLATES[kind]).format(x=value)
+
+
+def _fields(rng: random.Random) -> dict[str, str]:
+    # NOTE: a first digit of 1-9 and no runs like 1234567: realistic numbers, not the easy ones the rules were
+    # tested on
+    def digits(n: int) -> str:
+        return str(rng.randint(1, 9)) + "".join(rng.choice(string.digits) for _ in range(n - 1))
+
+    fields = {f"d{n}": digits(n) for n in (3, 7, 8, 9, 10, 11, 12, 15, 18)}
+    fields["e7"] = digits(7)
+    fields["a6"] = "".join(rng.choice(string.ascii_uppercase + string.digits) for _ in range(6))
+    return fields
+
+
+def _identifier_mid_issue(conversation: Conversation, rng: random.Random) -> Case | None:
+    """The conversation with its first identifier in a later customer message (None: fewer than 2 of them)."""
+    customer = [i for i, t in enumerate(conversation) if t.customer]
+    if len(customer) < 2:
+        return None
+    first = next((i for i, t in enumerate(conversation) if _IDENTIFY(t.text)), None)
+    if first is not None and first in customer[1:]:
+        return Case(conversation, None, first)  # NOTE: the data does it itself: kept as it is
+    masked = [Turn(t.customer, mask_digits(t.text)) for t in conversation]
+    at = rng.choice(customer[1:])
+    sentence, text = identifier_sentence(rng), masked[at].text
+    if rng.random() < 0.7:
+        masked[at] = Turn(True, f"{text} {sentence}".strip())
+    else:
+        masked[at] = Turn(True, f"{sentence if sentence[-1] in '.:' else sentence + '.'} {text}".strip())
+    return Case(tuple(masked), None, at)
 
 
 def _first_customer(conversation: Conversation) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 
 from backend.context.errors import InvalidSettingsError
 from backend.context.minilm import Array
-from backend.context.shift_features import FEATURES, Embedder, ShiftFeatures, shift_features
+from backend.context.shift_features import FEATURES, Embedder, ShiftFeatures, meaning_text, shift_features
 
 if TYPE_CHECKING:
     from backend.context.topic import TopicSettings, TopicState
@@ -138,7 +138,7 @@ class ShiftClassifier:
 
     def prepare(self, text: str) -> None:
         """Embed ``text`` now (an agent reply, off the customer's path) so the next message finds it cached."""
-        self.embedder.embed([text])
+        self.embedder.embed([meaning_text(text)])
 
 
 def _unit(v: Array) -> Array:

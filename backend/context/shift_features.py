@@ -12,9 +12,14 @@ the same values. ``FEATURES`` names them in order; the classifier adds one more 
   ``agent_question`` (asks anything), ``agent_offers`` ("anything else I can help with?": an invitation to a new
   issue);
 - identifiers (order, account, ticket numbers; ``topic.identifier_keys``): ``known_identifier`` (one the epoch
-  named), ``new_identifier`` (only new ones, and the agent did not ask for one), ``asked_identifier``;
+  named), ``first_identifier`` (the message gives an identifier, a key or anything shaped like one: an e-mail
+  address, a token with 6+ digits, while the epoch named no key yet: "It arrived with a cracked jug. Order
+  302-1234567." is the same issue, numbered), ``new_identifier`` (the epoch named others and this one is
+  different: a second order is likely a second problem), both only when the agent did not ask for one, and
+  ``asked_identifier``;
 - meaning (cosines of sentence vectors): to the centroid of the epoch's customer messages, its opening message, the
-  nearest and the latest of them, and the agent's last message.
+  nearest and the latest of them, and the agent's last message. The vectors are of ``meaning_text``: the texts
+  without their numbers and e-mail addresses, which the identifier features read instead.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ FEATURES: tuple[str, ...] = (
     "agent_question",
     "agent_offers",
     "known_identifier",
+    "first_identifier",
     "new_identifier",
     "asked_identifier",
     "cos_epoch",
@@ -75,6 +81,24 @@ _AGENT_OFFERS = re.compile(
     r"|else\s+i\s+can\s+(?:help|assist)|还有什么|其他问题"
 )
 _SHORT_THANKS_WORDS = 8
+# NOTE: by shape, wider than the key rules: "my order number is 302-1234567", a tracking number or an e-mail address
+# gives no topic key (``identifier_keys``), yet puts the same weight on the message's sentence vector
+_EMAIL = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|\[email\s+protected\]")
+_ID_TOKEN = re.compile(r"(?<![\w-])#?[A-Za-z]{0,4}-?\d[\dA-Za-z-]{4,}(?![\w-])")
+_ID_DIGITS = 6
+# NOTE: a number is many word pieces ("302-1234567": 302, -, 123, ##45, ##67), and the data's openings are full of
+# them, so a follow-up that gave its order number read like an opening (issue 40); the identifier features carry them
+_NOT_MEANING = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+|\S*\d\S*")
+_SPACES = re.compile(r"\s{2,}")
+_SENTENCE = re.compile(r"(?<=[.!?。！？])\s+")
+# What is left of a sentence that only gave an identifier ("Order 302-1234567.", "My order number is ...", "email:
+# ..."): its words name the identifier and say nothing about the problem. NOTE: "order", "number" and the like are
+# frequent in the data's openings, so this residue alone made such a follow-up read like a new problem.
+_ONLY_A_REFERENCE = re.compile(
+    r"(?i)^\W*(?:(?:my|the|our|this|that|it|its|it's|is|was|for|of|on|to|with|here|here's|fyi|regarding|re|about"
+    r"|order|id|no|number|num|tracking|awb|invoice|transaction|txn|reference|ref|account|acct|ticket|case|e-?mail"
+    r"|mail|address)\W*)*$"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +114,7 @@ def shift_features(message: str, found: frozenset[str], state: TopicState, embed
     hold at least one customer message."""
     words = len(_WORD.findall(message))
     agent = state.agent or ""
-    texts = [message, *state.customer, *([agent] if agent else [])]
+    texts = [meaning_text(t) for t in (message, *state.customer, *([agent] if agent else []))]
     vectors = embedder.embed(texts)
     m, customer = vectors[0], vectors[1 : 1 + len(state.customer)]
     cosines = customer @ m
@@ -105,7 +129,10 @@ def shift_features(message: str, found: frozenset[str], state: TopicState, embed
         "?" in agent or "？" in agent,
         _AGENT_OFFERS.search(agent) is not None,
         bool(found & state.identifiers),
-        bool(found) and not found & state.identifiers and not state.asked_for_identifier,
+        # NOTE: split by whether the epoch had identifiers: one feature for both made the first order number of an
+        # issue look like a second order (issue 40)
+        (bool(found) or gives_identifier(message)) and not state.identifiers and not state.asked_for_identifier,
+        bool(found) and bool(state.identifiers) and not found & state.identifiers and not state.asked_for_identifier,
         state.asked_for_identifier,
         _cosine(m, centroid),
         float(cosines[0]),
@@ -114,6 +141,24 @@ def shift_features(message: str, found: frozenset[str], state: TopicState, embed
         float(vectors[-1] @ m) if agent else 0.0,
     ]
     return ShiftFeatures(np.asarray(values, dtype=np.float32), m)
+
+
+def meaning_text(text: str) -> str:
+    """``text`` as the sentence vectors read it: without any token that holds a digit, nor e-mail addresses, nor a
+    sentence that only gave such an identifier."""
+    kept = []
+    for sentence in _SENTENCE.split(text):
+        left = _SPACES.sub(" ", _NOT_MEANING.sub(" ", sentence)).strip()
+        if left and not (left != sentence.strip() and _ONLY_A_REFERENCE.match(left)):
+            kept.append(left)
+    return " ".join(kept)
+
+
+def gives_identifier(message: str) -> bool:
+    """Whether ``message`` holds an e-mail address or an id-like token with at least 6 digits."""
+    if _EMAIL.search(message):
+        return True
+    return any(sum(c.isdigit() for c in token) >= _ID_DIGITS for token in _ID_TOKEN.findall(message))
 
 
 def _cosine(a: Array, b: Array) -> float:

@@ -106,7 +106,7 @@ class TopicSettings:
     ``window``, ``min_evidence_words`` and ``new_identifier_cap`` only matter to the cosine scorers.
     """
 
-    shift_threshold: float = 0.75
+    shift_threshold: float = 0.78
     start_temperature: float = 0.8
     shift_temperature: float = 0.3
     warm_rate: float = 0.5
@@ -129,8 +129,8 @@ DESIGN_SHIFT_THRESHOLD = 0.3  # the product design's value, reported next to the
 # Tuned with `python -m bench.topic_shift --train` (the classifiers: the threshold is stored with the model too) and
 # `--tune` (the cosine scorers), on the tuning half of cucom_ecommerce_dev.jsonl only.
 TUNED_SETTINGS: dict[str, TopicSettings] = {
-    "clf-static": TopicSettings(shift_threshold=0.75, backend="clf-static"),
-    "clf-minilm": TopicSettings(shift_threshold=0.73, backend="clf-minilm"),
+    "clf-static": TopicSettings(shift_threshold=0.78, backend="clf-static"),
+    "clf-minilm": TopicSettings(shift_threshold=0.75, backend="clf-minilm"),
     "minilm": TopicSettings(shift_threshold=0.01, window=2, min_evidence_words=0, backend="minilm"),
     "tfidf": TopicSettings(shift_threshold=0.01, window=8, min_evidence_words=4, backend="tfidf"),
     "none": TopicSettings(backend="none"),
@@ -206,7 +206,8 @@ class CosineScorer:
       says little, and a chat is full of them;
     - a message naming an identifier (order, account, ticket number; not a phone or e-mail) the epoch already named
       is on topic (s = 1); naming only identifiers the epoch has not seen caps s at ``new_identifier_cap`` (a new
-      order is a new problem), unless the last agent message asked for such a number (then it is the answer).
+      order is a new problem), unless the last agent message asked for such a number (then it is the answer) or the
+      epoch named none yet (the first order number of an issue numbers that issue: the backend decides).
     """
 
     def __init__(self, backend: SimilarityBackend) -> None:
@@ -217,7 +218,7 @@ class CosineScorer:
         cosine = self.backend.similarity(message, state.recent[-settings.window :])
         if found & state.identifiers:
             return 1.0
-        if found and not state.asked_for_identifier:
+        if found and state.identifiers and not state.asked_for_identifier:
             return min(cosine, settings.new_identifier_cap)
         if evidence_words(message) < settings.min_evidence_words:
             return max(cosine, settings.shift_threshold)

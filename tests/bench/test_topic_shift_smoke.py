@@ -46,17 +46,22 @@ def test_the_benchmark_scores_each_scorer_on_each_set_and_writes_its_report(data
     assert report["command"] == ".venv/bin/python -m bench.topic_shift"
     assert report["part"].startswith("held_out")
     assert report["default_scorer"] == "clf-static"
-    assert list(report["results"]) == ["spliced", "masked", "second-issue", "second-issue-cued"]
+    assert list(report["results"]) == ["spliced", "masked", "second-issue", "second-issue-cued", "identifier-mid-issue"]
     for kind, rows in report["results"].items():
         assert list(rows) == ["identifiers-only", "clf-static", "tfidf"]
         # each pair: 2 scored customer messages in the first conversation (after its opening), then the second's
-        # 3 (spliced, masked) or only its opening (second-issue sets)
-        scored = 10 if kind in ("spliced", "masked") else 6
-        assert {(r["score"]["sessions"], r["score"]["scored_messages"]) for r in rows.values()} == {(2, scored)}
+        # 3 (spliced, masked) or only its opening (second-issue sets); identifier-mid-issue: each conversation
+        # alone (4 sessions, no seam), its 2 messages after the opening
+        shape = {"spliced": (2, 2, 10), "masked": (2, 2, 10), "identifier-mid-issue": (4, 0, 8)}.get(kind, (2, 2, 6))
+        got = {(r["score"]["sessions"], r["score"]["seams"], r["score"]["scored_messages"]) for r in rows.values()}
+        assert got == {shape}
     identifiers = {kind: rows["identifiers-only"]["score"] for kind, rows in report["results"].items()}
     # the seam opens with a new order number: the identifier rule finds it, until the numbers are gone
     assert (identifiers["spliced"]["true_shifts"], identifiers["spliced"]["false_shifts"]) == (2, 0)
     assert [identifiers[k]["true_shifts"] for k in ("masked", "second-issue", "second-issue-cued")] == [0, 0, 0]
+    # an issue's first identifier, given mid-issue, is no reason to shift
+    mid_issue = identifiers["identifier-mid-issue"]
+    assert (mid_issue["probes"], mid_issue["false_shifts"], mid_issue["probe_shifts"]) == (4, 0, 0)
 
 
 def test_training_writes_a_model_the_scorer_loads(data: Path, tmp_path: Path) -> None:

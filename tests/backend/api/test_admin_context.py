@@ -19,7 +19,7 @@ TICKET = "Please look at ZX-1234 for me, it is still open today."
 ZX_RULE = {"name": "zx_ticket", "pattern": r"ZX-\d{4}", "block_type": "section", "priority": 500}
 DEFAULT_SETTINGS = {
     "history_policy": "epoch",
-    "shift_threshold": 0.75,  # the default scorer's tuned threshold (backend/context/topic.py)
+    "shift_threshold": 0.78,  # the default scorer's tuned threshold (backend/context/topic.py)
     "start_temperature": 0.8,
     "shift_temperature": 0.3,
     "min_block_length": 8,

@@ -45,8 +45,11 @@ def test_a_fitted_model_separates_its_classes_and_survives_its_json_round_trip(t
     rows, labels = _rows(400, seed=1)
     model = ShiftModel.fit(rows, labels, "axes").with_threshold(0.6, command="test")
     coef = dict(zip(model.features, model.coef.tolist(), strict=True))
-    # (``opening_like`` is fitted to these very rows, noise included: left out of the check)
-    assert coef["anaphora"] < -1.0 and max(abs(v) for k, v in coef.items() if k not in ("anaphora", OPENING_LIKE)) < 0.5
+    # (``opening_like`` is fitted to these very rows, noise included: left out of the check). NOTE: the noise
+    # weights are bounded relative to the signal's: the data are nearly separable, so the scale of all weights follows
+    # the draw (one more feature moved the largest noise weight from under 0.5 to 0.53 beside an anaphora of -4.5)
+    noise = max(abs(v) for k, v in coef.items() if k not in ("anaphora", OPENING_LIKE))
+    assert coef["anaphora"] < -1.0 and noise < abs(coef["anaphora"]) / 5
     held_out, truth = _rows(200, seed=2)
     guesses = [model.shift_probability(r) > 0.5 for r in held_out]
     assert sum(g == t for g, t in zip(guesses, truth, strict=True)) >= 190
@@ -108,3 +111,42 @@ def test_the_static_scorer_prepares_a_reply_in_its_cache() -> None:
     assert isinstance(scorer, ShiftClassifier) and isinstance(scorer.embedder, StaticEmbedder)
     scorer.prepare("Your refund is on its way.")
     assert "Your refund is on its way." in scorer.embedder._cache
+
+
+REFUND = [
+    (True, "Hi, I want a refund for the blender I bought last week."),
+    (False, "I'm sorry to hear that. Could you tell me what is wrong with it?"),
+]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "It arrived with a cracked jug. Order 302-1234567.",  # the live miss of issue 40
+        "The jug is cracked. My order number is 302-1234567.",
+        "the motor smells burnt too. tracking number 1Z4F8W2A0312345678",
+        "It leaks everywhere. My email is priya.sharma34@gmail.com",
+    ],
+)
+def test_the_first_identifier_of_an_issue_keeps_its_epoch(message: str) -> None:
+    tracker = TopicTracker(tuned("clf-static"), make_scorer("clf-static"), IDENT)
+    for customer, text in REFUND:
+        if customer:
+            tracker.observe_customer(text)
+        else:
+            tracker.observe_context(text)
+    update = tracker.observe_customer(message)
+    assert (update.shift, update.epoch) == (False, 0)
+
+
+def test_a_second_order_with_a_new_problem_starts_an_epoch() -> None:
+    tracker = TopicTracker(tuned("clf-static"), make_scorer("clf-static"), IDENT)
+    for customer, text in REFUND:
+        if customer:
+            tracker.observe_customer(text)
+        else:
+            tracker.observe_context(text)
+    assert not tracker.observe_customer("It arrived with a cracked jug. Order 302-1234567.").shift
+    tracker.observe_context("Thank you. I have started the refund for order 302-1234567. Anything else?")
+    update = tracker.observe_customer("Yes, order 406-8765432-9876543 was charged twice on my credit card.")
+    assert (update.shift, update.epoch) == (True, 1)

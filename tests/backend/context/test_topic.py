@@ -98,6 +98,17 @@ def test_identifiers_the_epoch_named_keep_the_topic_and_new_ones_cap_it() -> Non
     assert (unrelated.similarity, unrelated.shift) == (0.9, False)  # no identifier: the backend decides
 
 
+def test_the_first_identifier_of_an_epoch_is_not_capped_but_a_second_one_is() -> None:
+    settings = TopicSettings(shift_threshold=0.3, min_evidence_words=0, new_identifier_cap=0.1)
+    tracker = TopicTracker(settings, CosineScorer(ScriptedSimilarity([0.6, 0.6])), IDENT)
+    tracker.observe_customer("I want a refund for the blender I bought last week.")
+    first = tracker.observe_customer("It arrived with a cracked jug. Order 302-1234567.")
+    assert (first.similarity, first.shift, first.epoch) == (0.6, False, 0)  # the backend decides, uncapped
+    assert tracker.state.identifiers == {"3021234567"}
+    second = tracker.observe_customer("Order 406-8765432-9876543 was charged twice.")
+    assert (second.similarity, second.shift, second.epoch) == (0.1, True, 1)  # a second order: capped
+
+
 def test_a_new_number_answering_the_agents_question_is_no_shift() -> None:
     settings = TopicSettings(shift_threshold=0.3, min_evidence_words=0, new_identifier_cap=0.1)
     tracker = TopicTracker(settings, CosineScorer(ScriptedSimilarity([0.5, 0.5, 0.5])), IDENT)
