@@ -230,7 +230,7 @@ async def _open_engine(
             settings.engine_url,
             settings.engine_replica_urls,
             model=settings.model,
-            cache_dir=settings.model_cache_dir,
+            cache_dir=settings.resolved_cache_dir,
             secret=settings.engine_secret,
             timeout_s=settings.engine_timeout_s,
             retries=settings.engine_retries,
