@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import Field
 from pydantic_settings import BaseSettings
@@ -38,7 +40,9 @@ def test_a_field_without_a_description_is_refused(monkeypatch: pytest.MonkeyPatc
         config_doc.render()
 
 
-def test_check_fails_on_a_stale_page(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_check_fails_on_a_stale_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     stale = tmp_path / "configuration.md"
     stale.write_text("# Configuration\n", encoding="utf-8")
     monkeypatch.setattr(config_doc, "DOC_PATH", stale)
