@@ -177,7 +177,8 @@ async def _start_phases(
         settings.bootstrap_admin_key,
         default_handbook(settings.default_handbook),
     )
-    _announce_keys(boot)
+    if boot.created:
+        log.info("created the default tenant %s", boot.tenant_id)
     llm, model, capacity = await _open_engine(settings, engine, startup, owned)
     reply = ReplyConfig(settings.reply_max_tokens, defaults_of(settings), settings.tools_allow_private_networks)
     metrics.watch_engine(llm)
@@ -217,6 +218,8 @@ async def _start_phases(
         Phase.READY,
         f"kvchat ready: chat page {base}/chat (websocket /ws/chat), dashboard {base}/dashboard, API docs {base}/docs",
     )
+    # NOTE: last, so the keys a first start generates are the console's last lines, not scrolled away by the start.
+    print_generated_keys(boot)
 
 
 async def _open_engine(
@@ -324,11 +327,21 @@ async def _sweep_idle_sessions(chat: ChatService, timeout_s: int) -> None:
             log.info("closed %d idle session(s)", len(closed))
 
 
-def _announce_keys(boot: BootstrapResult) -> None:
-    if boot.created:
-        log.info("created the default tenant %s", boot.tenant_id)
-    if boot.generated_chat_token:
-        # NOTE: printed once, on the first start; only a hash is stored. Set KVCHAT_BOOTSTRAP_* to choose them.
-        print(f"kvchat: default tenant chat token (also an OpenAI API key): {boot.generated_chat_token}", flush=True)
-    if boot.generated_admin_key:
-        print(f"kvchat: default tenant admin API key: {boot.generated_admin_key}", flush=True)
+def print_generated_keys(boot: BootstrapResult) -> None:
+    """The keys a first start generated, framed, on stdout: shown this once (only their hashes are stored)."""
+    lines = [("chat token (also its OpenAI API key)", boot.generated_chat_token)]
+    lines.append(("admin API key", boot.generated_admin_key))
+    shown = [(label, key) for label, key in lines if key]
+    if not shown:
+        return
+    width = max(len(label) for label, _ in shown)
+    body = [f"  {label.ljust(width)}  {key}" for label, key in shown]
+    rule = "=" * max(72, *(len(line) for line in body))
+    text = [
+        rule,
+        "  First start: the default tenant's keys. They are shown only this once (only their hashes are stored):",
+        *body,
+        "  /dashboard and /settings take the admin key; /chat and `kvchat chat --token` the chat token.",
+        rule,
+    ]
+    print("\n".join(text), flush=True)
