@@ -125,6 +125,11 @@ def create_app(
     async def dashboard_page() -> FileResponse:
         return FileResponse(FRONTEND_DIR / "dashboard.html", media_type="text/html")
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> FileResponse:
+        # NOTE: an SVG at the path browsers ask for unprompted; every modern browser reads it by its media type.
+        return FileResponse(FRONTEND_DIR / "favicon.svg", media_type="image/svg+xml")
+
     app.mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static")
 
     return app

@@ -247,3 +247,22 @@ def test_chat_page_completes_a_turn(server: ServerProcess, page: Page) -> None:
     expect(page.locator(".msg.assistant")).to_have_count(1, timeout=TIMEOUT_MS)
     expect(page.locator(".meta").last).to_contain_text("cached", timeout=TIMEOUT_MS)
     _screenshot(page, "chat")
+
+
+def test_chat_page_keeps_the_token_out_of_sight_and_logs_no_error(server: ServerProcess, page: Page) -> None:
+    console_errors: list[str] = []
+    page.on("console", lambda msg: console_errors.append(msg.text) if msg.type == "error" else None)
+    page.goto(f"{server.http}/chat")
+    assert page.get_attribute("#token", "type") == "password"
+    page.fill("#token", CHAT_TOKEN)
+    page.click("#connect")
+    expect(page.locator("#text")).to_be_enabled(timeout=TIMEOUT_MS)
+    # the token is the tenant's OpenAI API key: this tab's sessionStorage only, never localStorage or the page's text
+    assert page.evaluate("sessionStorage.getItem('kvchat.token')") == CHAT_TOKEN
+    assert page.evaluate("localStorage.getItem('kvchat.token')") is None
+    assert CHAT_TOKEN not in page.inner_text("body")
+    page.reload()
+    assert page.input_value("#token") == CHAT_TOKEN  # a reload of the tab keeps it
+    icon = httpx.get(f"{server.http}/favicon.ico")
+    assert (icon.status_code, icon.headers["content-type"]) == (200, "image/svg+xml")
+    assert console_errors == []
