@@ -45,10 +45,17 @@ from backend.core.errors import one_line_reason
 from backend.core.heap import long_lived_heap_frozen
 from backend.core.logs import RequestIdMiddleware
 from backend.core.metrics import Metrics, instrument_database
-from backend.core.namespaces import Namespaces, load_secret
+from backend.core.namespaces import Namespaces, check_shared_secret, load_secret, secret_tag
 from backend.core.startup import STARTUP_ERRORS, Phase, Startup
 from backend.db import migrate
-from backend.db.engine import create_db_engine, create_sessionmaker, live_workers, peer_workers, worker_name
+from backend.db.engine import (
+    create_db_engine,
+    create_sessionmaker,
+    live_workers,
+    peer_secret_tags,
+    peer_workers,
+    worker_name,
+)
 from backend.db.models import utcnow
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.remote import RemoteEngine
@@ -170,12 +177,15 @@ async def _start_phases(
         startup.enter(Phase.MIGRATING, "migrating the database")
         # NOTE: Alembic's env.py runs its own event loop, so it must not run on this one.
         await asyncio.to_thread(migrate.upgrade, url)
-    name = worker_name()
+    namespaces = Namespaces(load_secret(settings.secret_key, settings.data_dir))
+    tag = secret_tag(namespaces.secret)
+    name = worker_name(tag)
     db_engine = create_db_engine(url, application_name=name)
     owned.push_async_callback(db_engine.dispose)
+    # NOTE: before anything is served: a worker with another secret would split every tenant's cache namespace.
+    check_shared_secret(tag, await peer_secret_tags(db_engine, name))
     sessionmaker = create_sessionmaker(db_engine)
     metrics = Metrics()
-    namespaces = Namespaces(load_secret(settings.secret_key, settings.data_dir))
     boot = await bootstrap_default_tenant(
         sessionmaker,
         settings.bootstrap_chat_token,
