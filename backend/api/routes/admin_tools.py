@@ -12,6 +12,7 @@ from fastapi import APIRouter, Path, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import AdminActorDep, AdminDep, DbDep, SettingsDep, StateDep, audited
+from backend.api.partial import merged, partial_model
 from backend.core.limits import SafeText
 from backend.db.models import TenantTool
 from backend.services import tenant_tools, tool_calls
@@ -147,6 +148,24 @@ async def replace_tool(name: ToolName, body: ToolIn, tenant: AdminDep, db: DbDep
     """Replace a tool (it may be renamed); the stored secret stays unless a new one is sent."""
     allow = settings.tools_allow_private_networks
     return ToolOut.of(await tenant_tools.replace_tool(db, tenant.id, name, body.change(), allow))
+
+
+ToolPatch = partial_model(ToolIn)
+
+
+@router.patch(
+    "/{name}", response_model=ToolOut, responses=NOT_FOUND | NAME_TAKEN, dependencies=[audited("tool.replace")]
+)
+async def patch_tool(
+    name: ToolName,
+    body: ToolPatch,  # type: ignore[valid-type]
+    tenant: AdminDep,
+    db: DbDep,
+    settings: SettingsDep,
+) -> ToolOut:
+    """Change the fields given (e.g. ``{"enabled": false}``); the others, and the stored secret, keep their value."""
+    current = await get_tool(name, tenant, db)
+    return await replace_tool(name, merged(current, body, ToolIn), tenant, db, settings)
 
 
 @router.delete(
