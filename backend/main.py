@@ -132,6 +132,10 @@ def create_app(
     async def dashboard_page() -> FileResponse:
         return FileResponse(FRONTEND_DIR / "dashboard.html", media_type="text/html")
 
+    @app.get("/settings", include_in_schema=False)
+    async def settings_page() -> FileResponse:
+        return FileResponse(FRONTEND_DIR / "settings.html", media_type="text/html")
+
     @app.get("/favicon.ico", include_in_schema=False)
     async def favicon() -> FileResponse:
         # NOTE: an SVG at the path browsers ask for unprompted; every modern browser reads it by its media type.
