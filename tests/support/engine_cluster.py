@@ -116,8 +116,10 @@ def start_replica(
 
 
 def port_is_free(port: int) -> bool:
-    """Whether ``port`` can be bound on loopback now (a check, not a reservation)."""
+    """Whether ``port`` can be bound on loopback now (a check, not a reservation), as uvicorn binds it: a closed
+    connection's TIME_WAIT on it is no conflict."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
