@@ -72,6 +72,16 @@ class QuietPollsFilter(logging.Filter):
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
+class AlembicChatterFilter(logging.Filter):
+    """Drops alembic's two lines about its own machinery ("Context impl SQLiteImpl.", "Will assume non-transactional
+    DDL."), which every migration run prints and which tell an operator nothing; the migrations themselves stay."""
+
+    _CHATTER = ("Context impl ", "Will assume ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self._CHATTER)
+
+
 def configure(level: str = "info", fmt: LogFormat = "text") -> None:
     """Set up the root logger once for the process (uvicorn's loggers propagate to it)."""
     handler = logging.StreamHandler()
@@ -87,6 +97,9 @@ def configure(level: str = "info", fmt: LogFormat = "text") -> None:
     access = logging.getLogger("uvicorn.access")
     access.filters[:] = [f for f in access.filters if not isinstance(f, QuietPollsFilter)]
     access.addFilter(QuietPollsFilter())
+    migration = logging.getLogger("alembic.runtime.migration")
+    migration.filters[:] = [f for f in migration.filters if not isinstance(f, AlembicChatterFilter)]
+    migration.addFilter(AlembicChatterFilter())
 
 
 class RequestIdMiddleware:

@@ -45,6 +45,8 @@ def test_a_clean_first_start_is_quiet_and_ends_with_the_keys(tiny_model_dir: Pat
         re.search(r'"GET /(livez|readyz|metrics|admin/stats|admin/sessions/summary)', x) for x in after_polls
     )
     assert any('"GET /admin/sessions HTTP/1.1" 200' in line for line in after_polls)  # other requests still logged
+    assert not any("Context impl" in line or "Will assume" in line for line in after_polls)  # alembic's machinery
+    assert any("Running upgrade  -> 0001" in line for line in after_polls)  # ... but not its migrations
     rule = "=" * 72
     start_lines = lines
     assert start_lines[-1].startswith(rule) and set(start_lines[-1]) == {"="}

@@ -113,3 +113,16 @@ def test_other_requests_stay_at_info(path: str) -> None:
     record = _access_record(path)
     assert logs.QuietPollsFilter().filter(record) is True
     assert record.levelno == logging.INFO
+
+
+@pytest.mark.parametrize(
+    ("message", "kept"),
+    [
+        ("Context impl SQLiteImpl.", False),
+        ("Will assume non-transactional DDL.", False),
+        ("Running upgrade 0001 -> 0002, context layer", True),
+    ],
+)
+def test_alembics_own_machinery_is_left_out(message: str, kept: bool) -> None:
+    record = logging.LogRecord("alembic.runtime.migration", logging.INFO, __file__, 1, message, None, None)
+    assert logs.AlembicChatterFilter().filter(record) is kept
