@@ -118,6 +118,10 @@ def test_every_setting_changed_on_the_page_is_kept_and_audited(
     new_key = page.locator('[data-role="new-key"]')
     expect(new_key).to_contain_text("kvc_chat_", timeout=TIMEOUT_MS)
     chat_token = new_key.inner_text()
+    new_row = page.locator("#key-rows tr").filter(has_text=chat_token[:12])
+    expect(new_row).to_contain_text("active")
+    new_row.locator('[data-action="revoke"]').click()  # and revoked again
+    expect(page.locator("#r-keys")).to_contain_text("revoked", timeout=TIMEOUT_MS)
     page.screenshot(path=screenshot_path("settings"), full_page=True)
 
     page.reload()  # the key lived in the page's memory only: typed again
@@ -143,7 +147,8 @@ def test_every_setting_changed_on_the_page_is_kept_and_audited(
     assert page.input_value("#eviction_policy") == "weighted"
     assert not page.locator('tr[data-tool="lookup_order"] [data-action="enabled"]').is_checked()
     assert not page.locator('tr[data-rule="order_no"] [data-action="enabled"]').is_checked()
-    assert page.locator("#key-rows tr").filter(has_text=chat_token[:12]).filter(has_text="active").count() == 1
+    revoked = page.locator("#key-rows tr").filter(has_text=chat_token[:12])
+    assert revoked.count() == 1 and "active" not in revoked.inner_text()
     # the audit trail on the page: every change, by this admin key, ok
     audit = page.eval_on_selector_all(
         "#audit-rows tr", "(rows) => rows.map((r) => [...r.children].slice(1, 5).map((td) => td.textContent))"
@@ -151,6 +156,7 @@ def test_every_setting_changed_on_the_page_is_kept_and_audited(
     actions = [
         (action, target) for actor, action, target, result in audit if actor == ADMIN_KEY[:12] and result == "ok"
     ]
+    assert actions[0][1] and actions[2][1].isdigit()  # the key's id, the rule's id
     assert actions[::-1] == [
         ("tenant.system_prompt", ""),
         ("tenant.policy_text", ""),
@@ -162,8 +168,9 @@ def test_every_setting_changed_on_the_page_is_kept_and_audited(
         ("tool.call", "lookup_order"),
         ("tool.replace", "lookup_order"),
         ("rule.create", ""),
-        ("rule.update", actions[1][1]),
+        ("rule.update", actions[2][1]),
         ("key.rotate", ""),
+        ("key.revoke", actions[0][1]),
     ]
     operator = httpx.get(f"{server.http}/admin/cache/audit").json()
     assert [(a["actor"], a["action"], a["result"]) for a in operator] == [("operator", "cache.settings", "ok")]
