@@ -41,7 +41,8 @@ def _serve(args: argparse.Namespace) -> int:
     if sockets is None:
         _check_port(host, port)
     _check_database(settings.resolved_database_url)
-    _check_model(settings.model, settings.model_cache_dir)
+    _warn_deprecated(settings)
+    _check_model(settings.model, settings.resolved_cache_dir)
     import uvicorn
 
     from backend.main import create_app
@@ -76,7 +77,8 @@ def _engine_serve(args: argparse.Namespace) -> int:
         # NOTE: the namespace header is trusted: an open replica would let anyone read any tenant's cache.
         raise StartupError(f"refusing to serve the engine on {host} without a secret: set KVCHAT_ENGINE_SECRET")
     _check_port(host, port)
-    _check_model(settings.model, settings.model_cache_dir)
+    _warn_deprecated(settings)
+    _check_model(settings.model, settings.resolved_cache_dir)
     import uvicorn
 
     from backend.engine_server.app import create_engine_app
@@ -167,6 +169,11 @@ def _check_database(url: str) -> None:
         raise StartupError(str(exc)) from exc
     except (SQLAlchemyError, OSError, TimeoutError) as exc:
         raise StartupError(f"cannot reach the database {_redact(url)}: {one_line_reason(exc)}") from exc
+
+
+def _warn_deprecated(settings: Settings) -> None:
+    for line in settings.deprecated_settings():
+        logging.getLogger("kvchat").warning("%s", line)
 
 
 def _check_model(model: str, cache_dir: str | None) -> None:

@@ -51,11 +51,18 @@ from backend.core.errors import one_line_reason
 from backend.core.heap import long_lived_heap_frozen
 from backend.core.logs import RequestIdMiddleware
 from backend.core.metrics import Metrics, instrument_database
-from backend.core.namespaces import Namespaces, load_secret
+from backend.core.namespaces import Namespaces, check_shared_secret, load_secret, secret_tag
 from backend.core.startup import STARTUP_ERRORS, Phase, Startup
 from backend.core.tenant_quota import GatedEngine, QuotaGate
 from backend.db import migrate
-from backend.db.engine import create_db_engine, create_sessionmaker, live_workers, peer_workers, worker_name
+from backend.db.engine import (
+    create_db_engine,
+    create_sessionmaker,
+    live_workers,
+    peer_secret_tags,
+    peer_workers,
+    worker_name,
+)
 from backend.db.models import utcnow
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.remote import RemoteEngine
@@ -142,6 +149,15 @@ def create_app(
     async def agent_page() -> FileResponse:
         return FileResponse(FRONTEND_DIR / "agent.html", media_type="text/html")
 
+    @app.get("/settings", include_in_schema=False)
+    async def settings_page() -> FileResponse:
+        return FileResponse(FRONTEND_DIR / "settings.html", media_type="text/html")
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> FileResponse:
+        # NOTE: an SVG at the path browsers ask for unprompted; every modern browser reads it by its media type.
+        return FileResponse(FRONTEND_DIR / "favicon.svg", media_type="image/svg+xml")
+
     app.mount("/static", StaticFiles(directory=FRONTEND_DIR), name="static")
 
     return app
@@ -182,19 +198,23 @@ async def _start_phases(
         startup.enter(Phase.MIGRATING, "migrating the database")
         # NOTE: Alembic's env.py runs its own event loop, so it must not run on this one.
         await asyncio.to_thread(migrate.upgrade, url)
-    name = worker_name()
+    namespaces = Namespaces(load_secret(settings.secret_key, settings.data_dir))
+    tag = secret_tag(namespaces.secret)
+    name = worker_name(tag)
     db_engine = create_db_engine(url, application_name=name)
     owned.push_async_callback(db_engine.dispose)
+    # NOTE: before anything is served: a worker with another secret would split every tenant's cache namespace.
+    check_shared_secret(tag, await peer_secret_tags(db_engine, name))
     sessionmaker = create_sessionmaker(db_engine)
     metrics = Metrics()
-    namespaces = Namespaces(load_secret(settings.secret_key, settings.data_dir))
     boot = await bootstrap_default_tenant(
         sessionmaker,
         settings.bootstrap_chat_token,
         settings.bootstrap_admin_key,
         default_handbook(settings.default_handbook),
     )
-    _announce_keys(boot)
+    if boot.created:
+        log.info("created the default tenant %s", boot.tenant_id)
     llm, model, capacity = await _open_engine(settings, engine, startup, owned)
     reply = ReplyConfig(settings.reply_max_tokens, defaults_of(settings), settings.tools_allow_private_networks)
     metrics.watch_engine(llm)
@@ -237,6 +257,8 @@ async def _start_phases(
         Phase.READY,
         f"kvchat ready: chat page {base}/chat (websocket /ws/chat), dashboard {base}/dashboard, API docs {base}/docs",
     )
+    # NOTE: last, so the keys a first start generates are the console's last lines, not scrolled away by the start.
+    print_generated_keys(boot)
 
 
 async def _open_engine(
@@ -250,7 +272,7 @@ async def _open_engine(
             settings.engine_url,
             settings.engine_replica_urls,
             model=settings.model,
-            cache_dir=settings.model_cache_dir,
+            cache_dir=settings.resolved_cache_dir,
             secret=settings.engine_secret,
             timeout_s=settings.engine_timeout_s,
             retries=settings.engine_retries,
@@ -366,11 +388,21 @@ async def _sweep_idle_sessions(chat: ChatService, timeout_s: int) -> None:
             log.info("closed %d idle session(s)", len(closed))
 
 
-def _announce_keys(boot: BootstrapResult) -> None:
-    if boot.created:
-        log.info("created the default tenant %s", boot.tenant_id)
-    if boot.generated_chat_token:
-        # NOTE: printed once, on the first start; only a hash is stored. Set KVCHAT_BOOTSTRAP_* to choose them.
-        print(f"kvchat: default tenant chat token (also an OpenAI API key): {boot.generated_chat_token}", flush=True)
-    if boot.generated_admin_key:
-        print(f"kvchat: default tenant admin API key: {boot.generated_admin_key}", flush=True)
+def print_generated_keys(boot: BootstrapResult) -> None:
+    """The keys a first start generated, framed, on stdout: shown this once (only their hashes are stored)."""
+    lines = [("chat token (also its OpenAI API key)", boot.generated_chat_token)]
+    lines.append(("admin API key", boot.generated_admin_key))
+    shown = [(label, key) for label, key in lines if key]
+    if not shown:
+        return
+    width = max(len(label) for label, _ in shown)
+    body = [f"  {label.ljust(width)}  {key}" for label, key in shown]
+    rule = "=" * max(72, *(len(line) for line in body))
+    text = [
+        rule,
+        "  First start: the default tenant's keys. They are shown only this once (only their hashes are stored):",
+        *body,
+        "  /dashboard and /settings take the admin key; /chat and `kvchat chat --token` the chat token.",
+        rule,
+    ]
+    print("\n".join(text), flush=True)

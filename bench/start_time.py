@@ -5,7 +5,7 @@ Reproduce the committed figures (docs/benchmarks/start_time.json):
 
     flock /tmp/kvchat-bench.lock .venv/bin/python -m bench.start_time
 
-Each round makes a fresh temporary folder and runs ``kvchat serve`` twice on SQLite, with ``KVCHAT_MODEL_CACHE_DIR``
+Each round makes a fresh temporary folder and runs ``kvchat serve`` twice on SQLite, with ``KVCHAT_CACHE_DIR``
 and ``KVCHAT_DATA_DIR`` inside it. From the moment the process is started it records when ``/livez`` first answers
 (the server listens) and when ``/readyz`` answers 200 (ready); the phases come from the log's ``start X.Xs: ...``
 lines (``backend/core/startup.py``). Medians over ``--repeats`` rounds; a table, and JSON with the machine and command.
@@ -63,7 +63,7 @@ def start_once(folder: Path, model: str, port: int, log_path: Path, timeout_s: f
     kept = {k: v for k, v in os.environ.items() if not k.startswith("KVCHAT_") or k == "KVCHAT_DISABLE_KERNELS"}
     env = kept | {
         "KVCHAT_MODEL": model,
-        "KVCHAT_MODEL_CACHE_DIR": str(folder / "model-cache"),
+        "KVCHAT_CACHE_DIR": str(folder / "model-cache"),
         "KVCHAT_DATA_DIR": str(folder / "data"),
         "KVCHAT_HOST": "127.0.0.1",
         "KVCHAT_PORT": str(port),

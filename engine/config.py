@@ -33,7 +33,7 @@ class EngineConfig:
     quantization: str | None = (
         None  # None, or "int8": weight-only int8 on CPU (slightly different outputs; faster only with AVX-512 int8)
     )
-    cache_dir: str | None = None  # where converted models are kept; default ~/.cache/kvchat
+    cache_dir: str | None = None  # converted models and built kernels; default $KVCHAT_CACHE_DIR, ~/.cache/kvchat
     disk_cache_dir: str | None = None  # the disk tier of the KV cache (safetensors + an SQLite index); None = none
     cache_settings: CacheSettings = field(default_factory=CacheSettings)  # TTLs, disk cap, eviction, pinning
 

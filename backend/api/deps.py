@@ -105,6 +105,14 @@ async def get_actor(
 ActorDep = Annotated[Actor, Depends(get_actor)]
 
 
+def get_admin_actor(request: Request, tenant: AdminDep) -> str:
+    """Who the admin is in the audit trail: the admin key's display prefix (as ``audited`` records it)."""
+    return display_prefix(bearer_token(request))
+
+
+AdminActorDep = Annotated[str, Depends(get_admin_actor)]
+
+
 def audited(action: str) -> Any:
     """A route dependency that writes one ``admin_audit`` row for the request: ``action``, the path's ids as the
     target, the admin key's prefix as the actor, and ``ok`` or the error's code. Requests refused before a tenant is

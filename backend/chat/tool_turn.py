@@ -48,7 +48,7 @@ from backend.engine_client.values import (
     TokenizedPrompt,
 )
 from backend.services.reply_settings import ToolUse
-from backend.services.tool_calls import ToolCaller, ToolResult
+from backend.services.tool_calls import UNPARSED_TARGET, CallOutcome, ToolCaller, ToolResult
 from backend.services.tool_exchange import ToolExchange, ToolStep
 from backend.tools.grammar import call_grammar
 from backend.tools.parsers import HERMES_OPEN, parse, shown_length
@@ -108,10 +108,12 @@ class ToolTurn:
                 return ToolTurnResult(finished, progress.exchange())
             parsed = parse(streamed.text, family)
             if not parsed.tool_calls:
-                self._answered(turn, streamed, family, progress)
+                await self._answered(turn, streamed, family, progress)
                 return ToolTurnResult(finished, progress.exchange())
             if step == MAX_STEPS:
                 log.warning("turn %s/%s: still calling tools after %d steps", turn.session_id, turn.client_msg_id, step)
+                for call in parsed.tool_calls:
+                    await self._over_limit(turn, call.name, f"still calling tools after {step} steps")
                 self._graceful(turn, progress)
                 return ToolTurnResult(finished, progress.exchange())
             if not await self._call(turn, parsed, setup, family, progress, limit):
@@ -132,6 +134,8 @@ class ToolTurn:
         done: list[ToolResult] = []
         for call in parsed.tool_calls[:MAX_CALLS_PER_STEP]:
             done.append(await self._caller.call(turn.tenant_id, turn.session_id, endpoints, call))
+        for call in parsed.tool_calls[MAX_CALLS_PER_STEP:]:
+            await self._over_limit(turn, call.name, f"more than {MAX_CALLS_PER_STEP} calls in one step")
         step = ToolStep(parsed.content or "", tuple(r.call for r in done), tuple(_read_back(r) for r in done))
         progress.steps.append(step)
         if turn.guard is not None:
@@ -148,13 +152,17 @@ class ToolTurn:
         progress.answer_from = self._begin_answer(turn)
         return True
 
-    def _answered(self, turn: Turn, streamed: Streamed, family: ToolFamily, progress: _Progress) -> None:
-        """A reply without a call: show what was held back, unless it was a call that does not parse."""
+    async def _over_limit(self, turn: Turn, name: str, why: str) -> None:
+        await self._caller.not_made(turn.tenant_id, turn.session_id, name, CallOutcome.OVER_LIMIT, f"not made: {why}")
+
+    async def _answered(self, turn: Turn, streamed: Streamed, family: ToolFamily, progress: _Progress) -> None:
+        """A reply without a call: show what was held back, unless it was a call that does not parse (audited, as
+        every call the model attempts is)."""
         held = streamed.text[streamed.shown :]
         if _opens_call(held, family):
-            log.warning(
-                "turn %s/%s: a tool call that does not parse: %.200r", turn.session_id, turn.client_msg_id, held
-            )
+            log.info("turn %s/%s: a tool call that does not parse: %.200r", turn.session_id, turn.client_msg_id, held)
+            detail = f"a call that does not parse: {held[:300]!r}"
+            await self._caller.not_made(turn.tenant_id, turn.session_id, UNPARSED_TARGET, CallOutcome.UNPARSED, detail)
             self._graceful(turn, progress)
             return
         self._streamer.publish(turn, held)

@@ -23,95 +23,209 @@ class Environment(StrEnum):
 
 
 class Settings(BaseSettings):
-    """Every knob of the backend. See README.md (Configuration) for the table of env vars."""
+    """Every knob of the backend. Each field's ``description`` is its row in ``docs/configuration.md``
+    (``python -m backend.core.config_doc`` writes it; a test holds the two equal)."""
 
     model_config = SettingsConfigDict(env_prefix="KVCHAT_", env_file=None, extra="ignore", frozen=True)
 
-    env: Environment = Environment.DEVELOPMENT
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=1, le=65535)
-    # several ``kvchat serve`` workers on one port (Linux SO_REUSEPORT: the kernel spreads the connections); they
-    # act as one service through Postgres (backend/chat/fanout.py)
-    reuse_port: bool = False
-    data_dir: Path = Path("data")
-    database_url: str | None = None  # default: SQLite file under data_dir
-    # The server secret the cache namespaces are derived from (backend/core/namespaces.py). Unset in development: a
-    # random one is generated once and kept in ``data_dir`` (0600), so the disk cache survives restarts.
-    secret_key: str | None = None
-    log_level: str = "info"
-    log_format: Literal["text", "json"] = "text"  # json: one object a line, with request and session ids
-    run_migrations_on_start: bool = True
+    env: Environment = Field(
+        default=Environment.DEVELOPMENT,
+        description="`development`, `test` or `production`; anything but development refuses the default secret",
+    )
+    host: str = Field(default="127.0.0.1", description="where the server listens")
+    port: int = Field(default=8000, ge=1, le=65535, description="the server's port")
+    # NOTE: several ``kvchat serve`` workers on one port act as one service through Postgres (backend/chat/fanout.py)
+    reuse_port: bool = Field(
+        default=False,
+        description="let several `kvchat serve` workers listen on one port (Linux `SO_REUSEPORT`; Postgres only)",
+    )
+    data_dir: Path = Field(default=Path("data"), description="the embedded SQLite database and other local state")
+    database_url: str | None = Field(
+        default=None,
+        description="e.g. `postgresql://user:pass@host:5432/kvchat` (the asyncpg driver is picked for you); "
+        "unset: SQLite at `<data dir>/kvchat.db`",
+    )
+    secret_key: str | None = Field(
+        default=None,
+        description="the server secret the cache namespaces are derived from (HMAC-SHA256 of the tenant id); must be "
+        "set outside development, and the same in every worker on one database (a worker with another one refuses "
+        "to start). Unset in development: a random one is generated once into `<data dir>/cache_secret` (0600)",
+    )
+    log_level: str = Field(default="info", description="the server's log level (`debug` shows health-probe requests)")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="`json`: one JSON object a line, with request and session ids"
+    )
+    run_migrations_on_start: bool = Field(default=True, description="run `alembic upgrade head` when the server starts")
     # Engine (in-process)
-    model: str = "smollm2"  # "smollm2", a safetensors folder or a .gguf file
-    engine_device: str = "auto"
-    engine_dtype: str = "auto"
-    max_kv_memory_mb: int = Field(default=512, ge=1)
-    engine_quantization: Literal["int8"] | None = None
-    max_num_seqs: int = Field(default=32, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    max_waiting: int = Field(default=256, ge=1)
-    model_cache_dir: str | None = None
-    # Remote engine (docs/scale-out.md): unset, the engine runs in this process. Set, the backend sends its requests
-    # to this URL (vllm-router, or one ``kvchat engine-serve`` replica) and its cache control to every replica.
-    engine_url: str | None = None
-    engine_replicas: str = ""  # every replica behind engine_url, comma-separated (default: the router's list)
-    engine_secret: str | None = None  # the shared secret between the backend and its replicas (Bearer)
-    engine_timeout_s: float = Field(default=30.0, gt=0)  # a replica silent this long (no token) is given up on
-    engine_retries: int = Field(default=2, ge=0)  # tries again before the first token when a replica fails
-    # The KV cache's disk tier (survives restarts) and the cache settings a start begins with; the operator changes
-    # them at runtime through ``/admin/cache/settings`` (until the process stops).
-    kv_disk_cache: bool = True
-    kv_disk_cache_dir: Path | None = None  # default: <data_dir>/kv_cache
-    kv_memory_ttl_s: float = Field(default=60.0, gt=0)
-    kv_disk_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0)
-    kv_disk_cache_max_gb: float = Field(default=10.0, gt=0)
-    kv_min_free_space_gb: float = Field(default=5.0, ge=0)
-    kv_eviction_policy: Literal["weighted", "lru"] = "lru"  # LRU won the replay (docs/benchmarks.md)
-    kv_pin_max_fraction: float = Field(default=0.25, ge=0, le=0.9)
+    model: str = Field(
+        default="smollm2",
+        description="`smollm2` (packaged SmolLM2-135M-Instruct), a HF safetensors folder, or a `.gguf` file",
+    )
+    engine_device: str = Field(default="auto", description="`cpu`, `cuda` or `auto`")
+    engine_dtype: str = Field(default="auto", description="`auto`: bf16 where the CPU supports it, else fp32")
+    max_kv_memory_mb: int = Field(default=512, ge=1, description="size of the paged KV pool (MiB)")
+    engine_quantization: Literal["int8"] | None = Field(
+        default=None,
+        description="`int8`: weight-only int8 on CPU (slightly different outputs; faster only with AVX-512 int8)",
+    )
+    max_num_seqs: int = Field(default=32, ge=1, description="sequences per engine step (continuous batching)")
+    max_num_batched_tokens: int = Field(default=2048, ge=1, description="tokens per engine step")
+    max_waiting: int = Field(
+        default=256, ge=1, description="queued requests beyond this are refused as busy (with a retry-after)"
+    )
+    cache_dir: str | None = Field(
+        default=None,
+        description="the one cache folder of every command (`serve`, `engine-serve`, `generate`, `doctor`): "
+        "converted models under `<cache dir>/models`, the C kernels under `<cache dir>/kernels`; unset: "
+        "`~/.cache/kvchat`",
+    )
+    model_cache_dir: str | None = Field(
+        default=None,
+        description="deprecated: read as `KVCHAT_CACHE_DIR` (with a warning) when that is unset; removed in the "
+        "next release",
+    )
+    # Remote engine (docs/scale-out.md)
+    engine_url: str | None = Field(
+        default=None,
+        description="a remote engine: vllm-router or one `kvchat engine-serve` replica; unset, the engine runs in "
+        "this process ([scale-out](scale-out.md))",
+    )
+    engine_replicas: str = Field(
+        default="",
+        description="every replica behind the engine URL, comma-separated, for cache control; empty: the workers "
+        "the router lists (read again every minute)",
+    )
+    engine_secret: str | None = Field(
+        default=None,
+        description="the shared secret between the backend and its replicas (`Authorization: Bearer`); a replica "
+        "refuses a non-loopback host without one",
+    )
+    engine_timeout_s: float = Field(default=30.0, gt=0, description="a replica silent this long is given up on")
+    engine_retries: int = Field(
+        default=2, ge=0, description="tries again on another replica before the first token when one fails"
+    )
+    # The KV cache's disk tier and the cache settings a start begins with (the operator changes them at runtime
+    # through ``/admin/cache/settings``, until the process stops).
+    kv_disk_cache: bool = Field(
+        default=True, description="the KV cache's disk tier (survives restarts); `false`: memory only"
+    )
+    kv_disk_cache_dir: Path | None = Field(
+        default=None, description="the disk tier's folder; unset: `<data dir>/kv_cache`"
+    )
+    kv_memory_ttl_s: float = Field(default=60.0, gt=0, description="an idle block moves to disk after this long")
+    kv_disk_ttl_s: float = Field(
+        default=7 * 24 * 3600.0, gt=0, description="an idle block leaves the disk after this long"
+    )
+    kv_disk_cache_max_gb: float = Field(default=10.0, gt=0, description="size cap of the disk tier")
+    kv_min_free_space_gb: float = Field(
+        default=5.0, ge=0, description="below this free space disk writes are refused (and counted); serving goes on"
+    )
+    kv_eviction_policy: Literal["weighted", "lru"] = Field(
+        default="lru",
+        description="`lru` or `weighted` (temperature, block type, recency: [kv_tiers](kv_tiers.md)); LRU won the "
+        "replay",
+    )
+    kv_pin_max_fraction: float = Field(
+        default=0.25, ge=0, le=0.9, description="the share of the memory pool pinned prefixes may hold"
+    )
     # Replies
-    reply_max_tokens: int = Field(default=256, ge=1)
-    reply_temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    reply_top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    reply_top_k: int = Field(default=0, ge=0)
-    reply_min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    reply_repetition_penalty: float = Field(default=1.2, ge=0.01, le=2.0)  # measured: docs/benchmarks.md, "Replies"
-    reply_presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    reply_frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    # Tenants' tools: may the bot call endpoints on loopback/private addresses (the server's own network)?
-    tools_allow_private_networks: bool = False
+    reply_max_tokens: int = Field(default=256, ge=1, description="the longest chat reply, in tokens")
+    reply_temperature: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=2.0,
+        description="chat replies' temperature (0: greedy); a tenant's reply settings replace this and the five below",
+    )
+    reply_top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="chat replies' top-p (1: off)")
+    reply_top_k: int = Field(default=0, ge=0, description="chat replies' top-k (0: off)")
+    reply_min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="chat replies' min-p (0: off)")
+    reply_repetition_penalty: float = Field(
+        default=1.2,
+        ge=0.01,
+        le=2.0,
+        description="against replies that loop; 1.2 from the measurement in [benchmarks](benchmarks.md)",
+    )
+    reply_presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="chat replies' presence penalty")
+    reply_frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="chat replies' frequency penalty")
+    tools_allow_private_networks: bool = Field(
+        default=False,
+        description="may tenants' tools be on loopback, private or link-local addresses "
+        "([chat_tools](chat_tools.md)); a tool the policy refuses is refused when it is registered",
+    )
     # Chat sessions and websocket limits
-    session_timeout_seconds: int = Field(default=3600, ge=1)
-    # On SIGTERM: replies in flight get this long to finish (still streaming); what is cut off is stored incomplete.
-    shutdown_grace_seconds: float = Field(default=10.0, ge=0)
-    # Test hook (crash tests only): hold each reply's transaction open this long before its commit.
-    test_commit_delay_seconds: float = Field(default=0.0, ge=0, le=10)
-    ws_max_message_bytes: int = Field(default=64 * 1024, ge=1024)
-    ws_rate_per_second: float = Field(default=5.0, gt=0)
-    ws_rate_burst: int = Field(default=10, ge=1)
-    max_connections_per_tenant: int = Field(default=200, ge=1)
-    max_connections_per_client: int = Field(default=20, ge=1)  # per customer ref, else per IP address
-    # A tenant's own splitter rules: how many, and their RE2 programs' size summed (instructions; bounds their cost).
-    max_rules_per_tenant: int = Field(default=200, ge=0)
-    max_rules_program_size: int = Field(default=50_000, ge=0)
-    # A tenant's handbook (backend/context/handbook.py): its sections, one section's text, and all of it.
-    max_handbook_sections: int = Field(default=200, ge=1)
-    max_handbook_section_chars: int = Field(default=8_000, ge=100)
-    max_handbook_chars: int = Field(default=400_000, ge=100)
-    # The default tenant's first handbook, when a fresh install creates it: builtin, a Markdown file's path, or none.
-    default_handbook: str = "builtin"
-    # A socket whose unsent frames pass either bound is closed (1008): a client that stops reading.
-    ws_max_queued_frames: int = Field(default=1024, ge=16)
-    ws_max_queued_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024)
-    # /metrics: when set, scrapers send "Authorization: Bearer <token>"; unset, only loopback clients are answered.
-    metrics_token: str | None = None
-    # Operator routes (``/admin/cache/settings``: engine-global cache settings): when set, callers send it as a bearer
-    # token; unset, only loopback clients are answered. Never a tenant's key.
-    operator_token: str | None = None
-    max_request_bytes: int = Field(default=1024 * 1024, ge=1024)  # REST bodies; larger ones get a 413
-    allowed_origins: list[str] = ["*"]
-    # First start: the default tenant's keys. Unset → generated and printed once.
-    bootstrap_chat_token: str | None = None
-    bootstrap_admin_key: str | None = None
+    session_timeout_seconds: int = Field(
+        default=3600, ge=1, description="idle sessions are closed and their cache released"
+    )
+    shutdown_grace_seconds: float = Field(
+        default=10.0,
+        ge=0,
+        description="on SIGTERM, replies in flight get this long to finish (still streaming); what is cut off is "
+        "stored `incomplete`",
+    )
+    test_commit_delay_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        le=10,
+        description="test hook (crash tests): hold each reply's transaction open this long; refused in production",
+    )
+    ws_max_message_bytes: int = Field(
+        default=64 * 1024, ge=1024, description="larger websocket frames close the socket with 1009"
+    )
+    ws_rate_per_second: float = Field(default=5.0, gt=0, description="per-connection frame rate limit")
+    ws_rate_burst: int = Field(default=10, ge=1, description="per-connection frame burst")
+    max_connections_per_tenant: int = Field(
+        default=200, ge=1, description="a tenant's sockets; further ones are closed with 1013"
+    )
+    max_connections_per_client: int = Field(
+        default=20,
+        ge=1,
+        description="sockets per client of a tenant (its `external_ref`, else its IP address); further ones are "
+        "closed with 1013",
+    )
+    max_rules_per_tenant: int = Field(
+        default=200, ge=0, description="a tenant's own splitter rules; past it, a new rule is a 422 `rule_limit`"
+    )
+    max_rules_program_size: int = Field(
+        default=50_000,
+        ge=0,
+        description="a tenant's splitter rules' compiled RE2 programs, summed (instructions: what they cost per "
+        "message)",
+    )
+    max_handbook_sections: int = Field(default=200, ge=1, description="sections in a tenant's handbook")
+    max_handbook_section_chars: int = Field(default=8_000, ge=100, description="characters in one handbook section")
+    max_handbook_chars: int = Field(default=400_000, ge=100, description="characters in a whole handbook")
+    default_handbook: str = Field(
+        default="builtin",
+        description="the default tenant's first handbook on a fresh install: `builtin`, a Markdown file's path, "
+        "or `none`",
+    )
+    ws_max_queued_frames: int = Field(
+        default=1024, ge=16, description="a socket with more unsent frames (a client that stopped reading) is closed"
+    )
+    ws_max_queued_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=64 * 1024, description="a socket with more unsent bytes is closed (1008)"
+    )
+    metrics_token: str | None = Field(
+        default=None, description="the bearer token `/metrics` requires; unset, it answers loopback clients only"
+    )
+    operator_token: str | None = Field(
+        default=None,
+        description="the bearer token of the operator routes (`/admin/cache/...`); unset, they answer loopback "
+        "clients only. Never a tenant's key",
+    )
+    max_request_bytes: int = Field(
+        default=1024 * 1024, ge=1024, description="REST request bodies over this get a 413 (`request_too_large`)"
+    )
+    allowed_origins: list[str] = Field(
+        default=["*"],
+        description="the Origins the chat websocket accepts (a JSON list; `*`: any); others are closed with 1008",
+    )
+    bootstrap_chat_token: str | None = Field(
+        default=None, description="the default tenant's chat token on the first start; unset: generated and printed"
+    )
+    bootstrap_admin_key: str | None = Field(
+        default=None, description="the default tenant's admin key on the first start; unset: generated and printed"
+    )
 
     @model_validator(mode="after")
     def _refuse_default_secrets(self) -> Self:
@@ -142,7 +256,7 @@ class Settings(BaseSettings):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_waiting=self.max_waiting,
-            cache_dir=self.model_cache_dir,
+            cache_dir=self.resolved_cache_dir,
             disk_cache_dir=str(self.kv_disk_cache_dir or self.data_dir / "kv_cache") if self.kv_disk_cache else None,
             cache_settings=CacheSettings(
                 memory_ttl_s=self.kv_memory_ttl_s,
@@ -153,6 +267,23 @@ class Settings(BaseSettings):
                 pin_max_fraction=self.kv_pin_max_fraction,
             ),
         )
+
+    @property
+    def resolved_cache_dir(self) -> str | None:
+        """``cache_dir``, else the deprecated ``model_cache_dir`` (``deprecated_settings`` names it); None: the
+        engine's default (``engine.model.loader.default_cache_dir``)."""
+        return self.cache_dir or self.model_cache_dir
+
+    def deprecated_settings(self) -> list[str]:
+        """One warning line per deprecated setting in use, for the commands to log once at their start."""
+        if self.model_cache_dir and not self.cache_dir:
+            return [
+                "KVCHAT_MODEL_CACHE_DIR is deprecated and will be removed in the next release: it is read as "
+                "KVCHAT_CACHE_DIR (models and kernels, for every command); set that instead"
+            ]
+        if self.model_cache_dir:
+            return ["KVCHAT_MODEL_CACHE_DIR is deprecated and ignored: KVCHAT_CACHE_DIR is set and holds every cache"]
+        return []
 
     @cached_property
     def resolved_database_url(self) -> str:

@@ -23,6 +23,9 @@ request_id: ContextVar[str | None] = ContextVar("kvchat_request_id", default=Non
 session_id: ContextVar[str | None] = ContextVar("kvchat_session_id", default=None)
 
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Requests that come every few seconds by design: health probes, the metrics scraper and the dashboard's polls. Their
+# access-log lines are kept at debug (``KVCHAT_LOG_LEVEL=debug`` shows them), so the console keeps what happened.
+QUIET_PATHS = frozenset({"/livez", "/readyz", "/metrics", "/admin/stats", "/admin/sessions/summary"})
 # NOTE: a client-sent X-Request-ID is kept only when it is short and plain, so it cannot forge log lines.
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -55,6 +58,30 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class QuietPollsFilter(logging.Filter):
+    """On uvicorn's access logger: a request for one of ``QUIET_PATHS`` becomes a debug record, dropped unless the
+    logger is at debug. uvicorn's access records carry ``(client, method, path with query, http version, status)``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str)):
+            return True
+        if args[2].partition("?")[0] not in QUIET_PATHS:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+class AlembicChatterFilter(logging.Filter):
+    """Drops alembic's two lines about its own machinery ("Context impl SQLiteImpl.", "Will assume non-transactional
+    DDL."), which every migration run prints and which tell an operator nothing; the migrations themselves stay."""
+
+    _CHATTER = ("Context impl ", "Will assume ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self._CHATTER)
+
+
 def configure(level: str = "info", fmt: LogFormat = "text") -> None:
     """Set up the root logger once for the process (uvicorn's loggers propagate to it)."""
     handler = logging.StreamHandler()
@@ -67,6 +94,12 @@ def configure(level: str = "info", fmt: LogFormat = "text") -> None:
         uvicorn_logger = logging.getLogger(name)
         uvicorn_logger.handlers[:] = []
         uvicorn_logger.propagate = True
+    access = logging.getLogger("uvicorn.access")
+    access.filters[:] = [f for f in access.filters if not isinstance(f, QuietPollsFilter)]
+    access.addFilter(QuietPollsFilter())
+    migration = logging.getLogger("alembic.runtime.migration")
+    migration.filters[:] = [f for f in migration.filters if not isinstance(f, AlembicChatterFilter)]
+    migration.addFilter(AlembicChatterFilter())
 
 
 class RequestIdMiddleware:

@@ -28,6 +28,7 @@ from pathlib import Path
 log = logging.getLogger("kvchat")
 
 SECRET_FILE = "cache_secret"
+_TAG_MESSAGE = b"kvchat: workers on one database share this secret"
 _PUBLIC = b"public"
 _TENANT = b"tenant:"
 
@@ -53,6 +54,28 @@ class Namespaces:
 
     def of(self, tenant_id: str, scope: CacheScope | str) -> str:
         return cache_namespace(tenant_id, self.secret, CacheScope(scope))
+
+
+class SecretMismatchError(ValueError):
+    """Another worker on the same database derives its namespaces from another secret: refused at start."""
+
+
+def secret_tag(secret: bytes) -> str:
+    """A short keyed digest of the secret, put in the worker's database connection name so that a second worker can
+    check it shares the first's secret. NOTE: 32 bits of an HMAC: it tells nothing about the secret, and two workers
+    with different secrets differ here but for a 1-in-4-billion collision."""
+    return hmac.new(secret, _TAG_MESSAGE, hashlib.sha256).hexdigest()[:8]
+
+
+def check_shared_secret(own_tag: str, peers: dict[str, str]) -> None:
+    """Refuse to serve beside a worker (``peers``: name -> tag) whose secret differs: its tenants' namespaces would
+    differ from this worker's, so their cached blocks would be unreachable, or found twice, depending on the worker."""
+    other = sorted(name for name, tag in peers.items() if tag != own_tag)
+    if other:
+        raise SecretMismatchError(
+            f"another kvchat worker on this database ({other[0]}) uses another KVCHAT_SECRET_KEY: every worker on one "
+            "database must share it (the cache namespaces derive from it); set the same KVCHAT_SECRET_KEY here"
+        )
 
 
 def load_secret(configured: str | None, data_dir: Path) -> bytes:

@@ -10,7 +10,8 @@ NOTE: why a small pool of threads, not one worker and not ``asyncio.to_thread``'
 arrival order, so a tenant's slow message delayed every tenant queued behind it (issue 28: 11.7 s). Many threads
 would each take the GIL from the event loop in turn: with four 0.9 MiB prompts tokenized in parallel threads,
 ``/livez`` stalled up to 250 ms (p99). The slow parts that remain, RE2 matching and the tokenizer's encoding, run
-without the GIL; ``bench/fairness.py`` measures the delay one tenant's hostile message adds to another's turn.
+without the GIL; ``bench/hardening.py`` (its fairness part) measures the delay one tenant's hostile message adds
+to another's turn.
 """
 
 from __future__ import annotations

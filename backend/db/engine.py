@@ -59,9 +59,16 @@ async def ping(url: str, timeout_s: float = 10.0) -> None:
         await engine.dispose()
 
 
-def worker_name() -> str:
-    """A name for this serving process's database connections, unique among processes."""
-    return f"{worker_prefix(os.getpid())}{secrets.token_hex(4)}"
+def worker_name(secret_tag: str = "") -> str:
+    """A name for this serving process's database connections, unique among processes; ``secret_tag``
+    (``backend.core.namespaces.secret_tag``) lets the other workers check that they share its secret."""
+    return f"{worker_prefix(os.getpid())}{secrets.token_hex(4)}" + (f":{secret_tag}" if secret_tag else "")
+
+
+def tag_of(name: str) -> str | None:
+    """The secret tag in a ``worker_name`` (``kvchat-worker:<pid>:<random>:<tag>``); None for a name without one."""
+    parts = name.removeprefix(WORKER_PREFIX).split(":")
+    return parts[2] if len(parts) == 3 and parts[2] else None
 
 
 def worker_prefix(pid: int) -> str:
@@ -97,6 +104,15 @@ async def peer_workers(engine: AsyncEngine, own_name: str) -> int:
             {"prefix": WORKER_PREFIX + "%", "own": own_name},
         )
     return int(count or 0)
+
+
+async def peer_secret_tags(engine: AsyncEngine, own_name: str) -> dict[str, str]:
+    """The other serving kvchat processes connected now, by name, with their secret tags (``tag_of``); empty on
+    SQLite (one process) and for workers whose names carry no tag."""
+    if engine.dialect.name != "postgresql":
+        return {}
+    names = await live_workers(engine)
+    return {name: tag for name in names if name != own_name and (tag := tag_of(name)) is not None}
 
 
 async def live_workers(engine: AsyncEngine) -> set[str]:

@@ -11,7 +11,9 @@ through vllm-router or one replica directly (``KVCHAT_ENGINE_URL``; docs/scale-o
   drop a dead replica, so the retry lands on another one, as a cache miss). After the first token the stream cannot
   be replayed: ``EngineUnreachable`` (the chat layer's ``unavailable`` error frame). Nothing waits forever.
 - **Cache control** goes to every replica directly (``remote_control.py`` says why, and what a down replica means):
-  those listed (``KVCHAT_ENGINE_REPLICAS``), else the workers vllm-router lists at start (``/list_workers``).
+  those listed (``KVCHAT_ENGINE_REPLICAS``), else the workers vllm-router lists (``/list_workers``), read at start
+  and again every ``REFRESH_S`` (``refresh_replicas``): a replica the router dropped is no longer called, and a new
+  one is checked (same model) and added. Each change is one log line.
 - **vLLM replicas** (no ``/kvchat/info``): generation works (the namespace goes out as ``cache_salt``); invalidate,
   release, erase, pin, temperature, footprint, cache settings and engine stats do not exist there. Each missing item
   is logged once at start and its calls do nothing there, so no call fails because of it; but the result of an
@@ -85,6 +87,7 @@ T = TypeVar("T")
 SESSION_HEADER = "X-Session-ID"
 VLLM_MISSING = ("invalidate", "release", "erase", "pin", "session temperature", "footprint", "cache settings", "stats")
 VLLM_RESET = "/reset_prefix_cache?reset_running_requests=true"
+REFRESH_S = 60.0  # how often the router's worker list is read again (when the replicas are the router's)
 
 
 class _Retryable(Exception):
@@ -126,6 +129,8 @@ class RemoteEngine:
         self._live: set[str] = set()
         self._aborted: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
+        self._fingerprint = ""  # the local model's (set at start): a replica added later must serve the same
+        self._routed = False  # whether the replicas are the router's list (then it is read again: refresh_replicas)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -135,6 +140,8 @@ class RemoteEngine:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         timeout = httpx.Timeout(self._timeout_s, connect=min(self._timeout_s, 3.0))
         self._http = httpx.AsyncClient(headers=self._headers, timeout=timeout, limits=limits)
+        if self._routed:
+            self._background.add(asyncio.create_task(self._refresh_every(REFRESH_S), name="kvchat-replica-refresh"))
         return self.info
 
     async def stop(self) -> None:
@@ -154,6 +161,7 @@ class RemoteEngine:
         self._replicas.urls = self._listed or self._discover()
         answers, vllm = self._probe()
         resolved = resolve_model(self.model, self._cache_dir)
+        self._fingerprint = resolved.fingerprint
         tokenizer = Tokenizer(resolved.path)
         infos = [self._checked(url, answer, resolved.fingerprint) for url, answer in answers.items()]
         for url, max_len in vllm.items():
@@ -174,11 +182,66 @@ class RemoteEngine:
             answer = self._replicas.call(self.url, "GET", "/list_workers")
         except EngineError:
             return [self.url]  # (a replica: it has no such route)
+        urls = self._worker_list(answer)
+        self._routed = True
+        log.info("vllm-router at %s routes to %d replica(s): %s", self.url, len(urls), ", ".join(urls))
+        return urls
+
+    def _router_workers(self) -> list[str]:
+        return self._worker_list(self._replicas.call(self.url, "GET", "/list_workers"))
+
+    def _worker_list(self, answer: Any) -> list[str]:
         urls = answer.get("urls") if isinstance(answer, dict) else None
         if not isinstance(urls, list) or not urls or not all(isinstance(u, str) for u in urls):
             raise EngineProtocolError(f"{self.url}/list_workers answered no worker list: set KVCHAT_ENGINE_REPLICAS")
-        log.info("vllm-router at %s routes to %d replica(s): %s", self.url, len(urls), ", ".join(urls))
         return sorted(u.rstrip("/") for u in urls)
+
+    async def _refresh_every(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await asyncio.to_thread(self.refresh_replicas)
+            except EngineError as exc:
+                log.debug("reading the router's replica list failed (the last one is kept): %s", exc)
+
+    def refresh_replicas(self) -> None:
+        """Read the router's worker list again: drop the replicas it no longer lists, check and add new ones (a
+        kvchat replica must serve the local model; a vLLM one is added as at start). One log line per change."""
+        listed = self._router_workers()
+        kvchat = [u for u in (self._kvchat.urls if self._kvchat else []) if u in listed]
+        vllm = [u for u in self._vllm if u in listed]
+        added = []
+        for url in (u for u in listed if u not in self._replicas.urls):
+            try:
+                answer = self._replicas.call(url, "GET", "/kvchat/info")
+                self._checked(url, answer, self._fingerprint)
+                kvchat.append(url)
+            except EngineProtocolError:
+                try:
+                    _vllm_max_len(url, self._replicas.call(url, "GET", "/v1/models"))
+                except EngineError as exc:
+                    log.warning("the router's new replica %s is not used: %s", url, exc)
+                    continue
+                vllm.append(url)
+            except EngineError as exc:
+                log.warning("the router's new replica %s is not used: %s", url, exc)
+                continue
+            added.append(url)
+        removed = [u for u in self._replicas.urls if u not in listed]
+        if not added and not removed:
+            return
+        self._replicas.urls = sorted(set(kvchat) | set(vllm))
+        self._vllm = sorted(vllm)
+        if self._kvchat is None:
+            self._kvchat = ReplicaSet(sorted(kvchat), self._headers, min(self._timeout_s, 10.0)) if kvchat else None
+        else:
+            self._kvchat.urls = sorted(kvchat)
+            self._kvchat.down &= set(kvchat)
+        log.info(
+            "the router's replicas changed: added %s; removed %s",
+            ", ".join(added) or "none",
+            ", ".join(removed) or "none",
+        )
 
     def _probe(self) -> tuple[dict[str, Any], dict[str, int]]:
         """Each replica's ``/kvchat/info`` answer, and the vLLM ones (no such route) with their context length."""
@@ -462,8 +525,7 @@ class RemoteEngine:
         """An invalidate or a flush: the sum over the kvchat replicas that answered (``EngineUnreachable`` when none
         did), with the report naming the others and the vLLM replicas (which have no such action)."""
         answers, failed = self._each("POST", path, body, invalidation_from_json)
-        for url, exc in failed:
-            log.warning("%s on %s skipped: %s", path, url, exc)
+        ReplicaSet.log_skipped(path, failed)
         if failed and not answers:
             raise failed[0][1]
         total = _summed(answers) if answers else InvalidationResult(0, 0, 0)

@@ -15,6 +15,9 @@ What a replica that cannot be reached means, per action:
   erasure that may be partial must not look done.
 - pin and the cache settings: ``EngineUnreachable`` (every replica must hold the same pin and settings).
 - stats and footprint: the replicas that answered (``EngineUnreachable`` if none did).
+
+A replica that cannot be reached is logged once, as a warning, when it goes down, and once, as info, when it answers
+again; the calls skipped meanwhile are debug lines (a dead replica would otherwise log a warning on every turn).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class ReplicaSet:
     def __init__(self, urls: Sequence[str], headers: dict[str, str], timeout_s: float) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)))
+        self.down: set[str] = set()  # the replicas whose last call did not reach them
 
     def close(self) -> None:
         self._http.close()
@@ -62,11 +66,31 @@ class ReplicaSet:
     def _request(self, url: str, method: str, path: str, body: dict[str, Any] | None) -> httpx.Response:
         where = f"the engine replica {url}"
         try:
-            return self._http.request(method, url + path, json=body)
+            response = self._http.request(method, url + path, json=body)
         except httpx.TimeoutException as exc:
-            raise EngineUnreachable(f"{where} did not answer {path} in time ({type(exc).__name__})") from None
+            error = EngineUnreachable(f"{where} did not answer {path} in time ({type(exc).__name__})")
+            self._went_down(url, error)
+            raise error from None
         except httpx.HTTPError as exc:
-            raise EngineUnreachable(f"{where} cannot be reached: {exc or type(exc).__name__}") from None
+            error = EngineUnreachable(f"{where} cannot be reached: {exc or type(exc).__name__}")
+            self._went_down(url, error)
+            raise error from None
+        if url in self.down:
+            self.down.discard(url)
+            log.info("the engine replica %s answers again", url)
+        return response
+
+    def _went_down(self, url: str, error: EngineUnreachable) -> None:
+        if url not in self.down:
+            self.down.add(url)
+            log.warning("%s; it is skipped until it answers again (logged once)", error)
+
+    @staticmethod
+    def log_skipped(path: str, failed: Sequence[tuple[str, EngineError]]) -> None:
+        """The replicas a best-effort call skipped: an unreachable one at debug (its going down was logged once)."""
+        for url, exc in failed:
+            level = logging.DEBUG if isinstance(exc, EngineUnreachable) else logging.WARNING
+            log.log(level, "%s on %s skipped: %s", path, url, exc)
 
     def each(
         self, method: str, path: str, body: dict[str, Any] | None, decode: Callable[[Any], T]
@@ -86,8 +110,7 @@ class ReplicaSet:
     def best_effort(self, method: str, path: str, body: dict[str, Any], decode: Callable[[Any], T]) -> list[T]:
         """Every replica that answered; the others are logged (``EngineUnreachable`` when none answered)."""
         answers, failed = self.each(method, path, body, decode)
-        for url, exc in failed:
-            log.warning("%s on %s skipped: %s", path, url, exc)
+        self.log_skipped(path, failed)
         if failed and not answers:
             raise failed[0][1]
         return answers

@@ -157,6 +157,11 @@ def rule_of(row: SplitterRule) -> Rule:
     return Rule(row.name, row.pattern, BlockType(row.block_type), row.priority, row.language, row.enabled)
 
 
+async def own_rule(db: AsyncSession, tenant_id: str, rule_id: int) -> SplitterRule:
+    """The tenant's rule ``rule_id`` (``RuleNotFoundError`` / read-only error as for an update)."""
+    return await _own_rule(db, tenant_id, rule_id)
+
+
 async def _own_rule(db: AsyncSession, tenant_id: str, rule_id: int) -> SplitterRule:
     """The tenant's rule ``rule_id``: a global one is read-only, another tenant's does not exist for it."""
     row = await db.get(SplitterRule, rule_id)

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from backend.core.errors import InvalidToolError, ToolExistsError, ToolNotFoundError
 from backend.db.models import TenantTool
+from backend.services.tool_policy import refused_address
 from backend.tools.types import ToolError, ToolSpec
 
 MAX_TOOLS_PER_TENANT = 32
@@ -99,8 +100,21 @@ async def get_tool(db: AsyncSession, tenant_id: str, name: str) -> TenantTool:
     return row
 
 
-async def create_tool(db: AsyncSession, tenant_id: str, change: ToolChange) -> TenantTool:
+async def check_address(change: ToolChange, allow_private_networks: bool) -> None:
+    """Refuse at registration a URL every call would be refused for (``tool_policy``), with the reason."""
+    refused = await refused_address(change.url, allow_private_networks)
+    if refused is not None:
+        raise InvalidToolError(
+            f"url {change.url!r} is refused: {refused}; tools may not call the server's own network "
+            "(the operator allows it with KVCHAT_TOOLS_ALLOW_PRIVATE_NETWORKS)"
+        )
+
+
+async def create_tool(
+    db: AsyncSession, tenant_id: str, change: ToolChange, allow_private_networks: bool = False
+) -> TenantTool:
     change.checked()
+    await check_address(change, allow_private_networks)
     count = await db.scalar(select(func.count()).select_from(TenantTool).where(TenantTool.tenant_id == tenant_id))
     if (count or 0) >= MAX_TOOLS_PER_TENANT:
         raise InvalidToolError(f"a tenant may register at most {MAX_TOOLS_PER_TENANT} tools")
@@ -116,9 +130,12 @@ async def create_tool(db: AsyncSession, tenant_id: str, change: ToolChange) -> T
     return row
 
 
-async def replace_tool(db: AsyncSession, tenant_id: str, name: str, change: ToolChange) -> TenantTool:
+async def replace_tool(
+    db: AsyncSession, tenant_id: str, name: str, change: ToolChange, allow_private_networks: bool = False
+) -> TenantTool:
     """Replace a tool (it may be renamed); the stored secret stays unless ``change.secret`` gives a new one."""
     change.checked()
+    await check_address(change, allow_private_networks)
     row = await get_tool(db, tenant_id, name)
     if change.name != name:
         taken = await db.scalar(

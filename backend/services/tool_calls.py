@@ -7,34 +7,31 @@ gracefully rather than making up data. Every call, failed or not, leaves an ``ad
 action ``tool.call``, target the tool's name, result the outcome, detail the session, HTTP status and time).
 
 Endpoints on loopback, private or link-local addresses are refused unless the operator allows them
-(``KVCHAT_TOOLS_ALLOW_PRIVATE_NETWORKS``): a tenant must not reach the server's own network through the bot.
-NOTE: the address is checked when the call is made (the host resolved then); a host that resolves differently
-between the check and the connection (DNS rebinding) is not caught here: put an egress proxy in front if tenants
-are not trusted with that.
+(``backend/services/tool_policy.py``; checked at registration and again at each call). A call the model writes that
+does not parse, or that is past the turn's limits, is audited too (``UNPARSED``, ``OVER_LIMIT``), though none is made.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import ipaddress
 import json
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.services import audit
-from backend.services.tenant_tools import ToolEndpoint
+from backend.services.tenant_tools import ToolEndpoint, get_tool
+from backend.services.tool_policy import refused_address
 from backend.tools.types import ToolCall
 
 MAX_RESPONSE_BYTES = 64 * 1024
 BOT_ACTOR = "bot"
 ACTION = "tool.call"
+UNPARSED_TARGET = "(unparsed)"  # the audit row's target when the model's call names no tool that could be read
 
 
 class CallOutcome(enum.StrEnum):
@@ -46,6 +43,8 @@ class CallOutcome(enum.StrEnum):
     REFUSED_ADDRESS = "refused_address"  # a private address the operator did not allow
     UNKNOWN_TOOL = "unknown_tool"  # the model named a tool the tenant does not have
     BAD_ARGUMENTS = "bad_arguments"  # the arguments are not a JSON object
+    UNPARSED = "unparsed"  # the model began a call that does not parse (no call is made)
+    OVER_LIMIT = "over_limit"  # past the calls a turn may make (no call is made)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +63,15 @@ class ToolResult:
 class ToolCaller:
     """Makes tool calls for the chat service and audits each one."""
 
-    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], allow_private_networks: bool = False) -> None:
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        allow_private_networks: bool = False,
+        actor: str = BOT_ACTOR,
+    ) -> None:
         self._sessionmaker = sessionmaker
         self._allow_private = allow_private_networks
+        self._actor = actor  # BOT_ACTOR in a turn; an admin key's prefix for the settings page's "test this tool"
 
     async def call(
         self, tenant_id: str, session_id: str, tools: Mapping[str, ToolEndpoint], call: ToolCall
@@ -76,9 +81,16 @@ class ToolCaller:
         elapsed_ms = (time.monotonic() - started) * 1000
         detail = f"session {session_id}: {detail} in {elapsed_ms:.0f} ms"
         result = ToolResult(call, outcome, content, detail, elapsed_ms)
-        entry = audit.AuditEntry(tenant_id, BOT_ACTOR, ACTION, call.name[:200], outcome.value, result.detail[:500])
-        await audit.record(self._sessionmaker, entry)
+        await self._audit(tenant_id, call.name, outcome, result.detail)
         return result
+
+    async def not_made(self, tenant_id: str, session_id: str, target: str, outcome: CallOutcome, detail: str) -> None:
+        """Audit a call the model attempted that is not made: one that does not parse, or one past the limits."""
+        await self._audit(tenant_id, target, outcome, f"session {session_id}: {detail}")
+
+    async def _audit(self, tenant_id: str, target: str, outcome: CallOutcome, detail: str) -> None:
+        entry = audit.AuditEntry(tenant_id, self._actor, ACTION, target[:200], outcome.value, detail[:500])
+        await audit.record(self._sessionmaker, entry)
 
     async def _call(self, session_id: str, tool: ToolEndpoint | None, call: ToolCall) -> tuple[CallOutcome, str, str]:
         if tool is None:
@@ -87,8 +99,9 @@ class ToolCaller:
             arguments = call.parsed_arguments
         except ValueError as exc:
             return CallOutcome.BAD_ARGUMENTS, "", f"arguments are not a JSON object ({exc})"
-        if not self._allow_private and await _private_address(tool.url):
-            return CallOutcome.REFUSED_ADDRESS, "", "the URL resolves to a private address"
+        refused = await refused_address(tool.url, self._allow_private)
+        if refused is not None:
+            return CallOutcome.REFUSED_ADDRESS, "", f"refused: {refused}"
         headers = {"X-Kvchat-Tool": tool.name, "X-Kvchat-Session": session_id}
         if tool.secret_header and tool.secret_value is not None:
             headers[tool.secret_header] = tool.secret_value
@@ -113,11 +126,22 @@ class ToolCaller:
         return CallOutcome.OK, json.dumps(value, ensure_ascii=False), f"HTTP {response.status_code}"
 
 
-async def _private_address(url: str) -> bool:
-    """Whether the URL's host is, or resolves to, a loopback, private, link-local or otherwise non-public address."""
-    host = urlsplit(url).hostname or ""
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False  # NOTE: the call then fails as unreachable, with the resolver's reason
-    return any(not ipaddress.ip_address(info[4][0]).is_global for info in infos)
+TEST_SESSION = "admin-test"  # the X-Kvchat-Session of a call made from the settings page's "test this tool"
+
+
+async def try_tool(
+    sessionmaker: async_sessionmaker[AsyncSession],
+    tenant_id: str,
+    name: str,
+    arguments: Mapping[str, object],
+    allow_private_networks: bool,
+    actor: str,
+) -> ToolResult:
+    """One call of the tenant's tool ``name`` with ``arguments``, as a turn would make it (same policy, timeout and
+    checks), audited under ``actor``: the settings page's "test this tool" button. ``ToolNotFoundError`` when the
+    tenant has no such tool."""
+    async with sessionmaker() as db:
+        tool = ToolEndpoint.of(await get_tool(db, tenant_id, name))
+    caller = ToolCaller(sessionmaker, allow_private_networks, actor)
+    call = ToolCall(tool.name, json.dumps(dict(arguments)))
+    return await caller.call(tenant_id, TEST_SESSION, {tool.name: tool}, call)

@@ -58,7 +58,22 @@ class ResolvedModel:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("KVCHAT_CACHE_DIR") or Path.home() / ".cache" / "kvchat")
+    """``$KVCHAT_CACHE_DIR`` (models under ``models/``, kernels under ``kernels/``: one folder for every command),
+    else the deprecated ``$KVCHAT_MODEL_CACHE_DIR``, else ``~/.cache/kvchat``."""
+    chosen = os.environ.get("KVCHAT_CACHE_DIR")
+    if not chosen and (old := os.environ.get("KVCHAT_MODEL_CACHE_DIR")):
+        _warn_model_cache_dir_once()
+        chosen = old
+    return Path(chosen or Path.home() / ".cache" / "kvchat")
+
+
+@functools.cache
+def _warn_model_cache_dir_once() -> None:
+    # NOTE: kept for one release, so an install that set the old variable keeps its converted model and kernels.
+    log.warning(
+        "KVCHAT_MODEL_CACHE_DIR is deprecated and will be removed in the next release: it is read as "
+        "KVCHAT_CACHE_DIR (models and kernels, for every command); set that instead"
+    )
 
 
 @dataclass(frozen=True, slots=True)

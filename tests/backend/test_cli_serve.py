@@ -53,7 +53,7 @@ def test_a_start_that_fails_after_listening_exits_with_one_line(tmp_path: Path) 
     env = {
         "KVCHAT_DATA_DIR": str(tmp_path),
         "KVCHAT_MODEL": str(broken),
-        "KVCHAT_MODEL_CACHE_DIR": str(tmp_path / "cache"),
+        "KVCHAT_CACHE_DIR": str(tmp_path / "cache"),
         "KVCHAT_PORT": str(free_port()),
     }
     done, _ = _run(env, "serve")

@@ -62,7 +62,7 @@ async def test_a_first_start_answers_starting_until_it_is_ready(pg_url: str, tmp
         gguf,
         tmp_path,
         run_migrations_on_start="true",
-        model_cache_dir=tmp_path / "model-cache",  # empty: this start converts the GGUF
+        cache_dir=str(tmp_path / "model-cache"),  # empty: this start converts the GGUF
         disable_kernels=1,  # (KVCHAT_DISABLE_KERNELS: no C build into the fresh cache; not what this test is about)
     )
     server = await asyncio.to_thread(launch_server_process, env, tmp_path / "serve.log")

@@ -113,6 +113,27 @@ def test_dashboard_shows_live_figures_after_a_scripted_chat(server: ServerProces
     expect(page.locator(f'tr[data-session="{session_id}"]')).to_contain_text("bot_active")
     assert page.evaluate("document.querySelectorAll('.chart canvas').length") == 8  # every chart drew
     expect(page.locator("#f-context")).to_contain_text("0 shifts")  # two one-turn sessions: no shift
+    # the charts: each scaled to its own data (the KV chart not to the pool's size), with the newest values in the
+    # legends (never uPlot's "--"), and the topic-shift line drawn apart from the invalidations line
+    page.wait_for_function("charts.kv.plot.data[0].length >= 2", timeout=TIMEOUT_MS)
+    kv_top, kv_data_top, capacity_mib = page.evaluate(
+        """() => [charts.kv.plot.scales.y.max,
+                  Math.max(...charts.kv.plot.data.slice(1).flat().filter((v) => v != null)),
+                  Number(document.querySelector("#f-kv").textContent.match(/of ([0-9.]+)/)[1])]"""
+    )
+    assert 0 < kv_top <= max(kv_data_top * 1.15, 1) + 1e-9 and kv_top < capacity_mib
+    legends = page.evaluate("[...document.querySelectorAll('.u-legend .u-series .u-value')].map((e) => e.textContent)")
+    assert legends and "--" not in legends
+    memory_legend = page.evaluate("charts.kv.plot.root.querySelectorAll('.u-legend .u-series')[1].textContent")
+    assert re.fullmatch(r"memory MiB\d+\.\d\d", memory_legend.strip()), memory_legend
+    lines = page.evaluate(
+        """() => charts.context.plot.series.slice(1).map(({ label, dash, points }, i) =>
+            ({ label, dash: dash ?? null, points: Boolean(points.show(charts.context.plot, i + 1)) }))"""
+    )
+    assert lines == [
+        {"label": "invalidations", "dash": None, "points": False},
+        {"label": "topic shifts", "dash": [6, 3], "points": True},
+    ]
     # the key stays in the page's memory: nothing stored, nothing in the page
     assert page.evaluate("localStorage.length + sessionStorage.length") == 0
     assert page.evaluate("document.cookie") == ""
@@ -248,3 +269,22 @@ def test_chat_page_completes_a_turn(server: ServerProcess, page: Page) -> None:
     expect(page.locator(".msg.assistant")).to_have_count(1, timeout=TIMEOUT_MS)
     expect(page.locator(".meta").last).to_contain_text("cached", timeout=TIMEOUT_MS)
     _screenshot(page, "chat")
+
+
+def test_chat_page_keeps_the_token_out_of_sight_and_logs_no_error(server: ServerProcess, page: Page) -> None:
+    console_errors: list[str] = []
+    page.on("console", lambda msg: console_errors.append(msg.text) if msg.type == "error" else None)
+    page.goto(f"{server.http}/chat")
+    assert page.get_attribute("#token", "type") == "password"
+    page.fill("#token", CHAT_TOKEN)
+    page.click("#connect")
+    expect(page.locator("#text")).to_be_enabled(timeout=TIMEOUT_MS)
+    # the token is the tenant's OpenAI API key: this tab's sessionStorage only, never localStorage or the page's text
+    assert page.evaluate("sessionStorage.getItem('kvchat.token')") == CHAT_TOKEN
+    assert page.evaluate("localStorage.getItem('kvchat.token')") is None
+    assert CHAT_TOKEN not in page.inner_text("body")
+    page.reload()
+    assert page.input_value("#token") == CHAT_TOKEN  # a reload of the tab keeps it
+    icon = httpx.get(f"{server.http}/favicon.ico")
+    assert (icon.status_code, icon.headers["content-type"]) == (200, "image/svg+xml")
+    assert console_errors == []

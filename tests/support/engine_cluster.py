@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -94,9 +95,12 @@ def _launch(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.
         return subprocess.Popen(args, cwd=REPO_ROOT, env=os.environ | env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def start_replica(model_dir: Path, data_dir: Path, log_path: Path, **settings: object) -> Replica:
-    """``kvchat engine-serve`` on a free port with the tiny model (fp32, no disk tier); returns once it loaded."""
-    port = free_port()
+def start_replica(
+    model_dir: Path, data_dir: Path, log_path: Path, port: int | None = None, **settings: object
+) -> Replica:
+    """``kvchat engine-serve`` on ``port`` (default: a free one) with the tiny model (fp32, no disk tier); returns at
+    once (``wait_healthy`` waits for its load)."""
+    port = port or free_port()
     env = {
         "KVCHAT_MODEL": str(model_dir),
         "KVCHAT_ENGINE_DEVICE": "cpu",
@@ -109,6 +113,18 @@ def start_replica(model_dir: Path, data_dir: Path, log_path: Path, **settings: o
     } | {f"KVCHAT_{k.upper()}": str(v) for k, v in settings.items()}
     args = [sys.executable, "-m", "backend.cli", "engine-serve", "--port", str(port)]
     return Replica(_launch(args, env, log_path), port, log_path)
+
+
+def port_is_free(port: int) -> bool:
+    """Whether ``port`` can be bound on loopback now (a check, not a reservation), as uvicorn binds it: a closed
+    connection's TIME_WAIT on it is no conflict."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def start_router(workers: list[str], log_path: Path, policy: str = "consistent_hash") -> Process:

@@ -19,6 +19,7 @@ import httpx
 from support.server import ADMIN_KEY, CHAT_TOKEN, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+TEST_SECRET = "kvchat-tests-cache-secret"
 
 
 def tiny_server_env(database_url: str, model_dir: Path, data_dir: Path, **settings: object) -> dict[str, str]:
@@ -33,6 +34,8 @@ def tiny_server_env(database_url: str, model_dir: Path, data_dir: Path, **settin
         "KVCHAT_DATA_DIR": str(data_dir),
         "KVCHAT_BOOTSTRAP_CHAT_TOKEN": CHAT_TOKEN,
         "KVCHAT_BOOTSTRAP_ADMIN_KEY": ADMIN_KEY,
+        # NOTE: one secret for every server a test starts: workers on one database must share it (else refused)
+        "KVCHAT_SECRET_KEY": TEST_SECRET,
         "KVCHAT_LOG_LEVEL": "warning",
     }
     env.update({f"KVCHAT_{key.upper()}": str(value) for key, value in settings.items()})

@@ -34,10 +34,12 @@ def _completion_stream() -> bytes:
 class VllmStandIn:
     """Started at construction; ``stop()`` closes it (a stopped stand-in refuses connections)."""
 
-    def __init__(self, model: str, *, dev_mode: bool = False, info: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, model: str, *, dev_mode: bool = False, info: dict[str, Any] | None = None, port: int | None = None
+    ) -> None:
         self.model, self.dev_mode, self.info = model, dev_mode, info
         self.requests: list[tuple[str, str]] = []
-        self.port = free_port()
+        self.port = port or free_port()  # (a given port: a replica that comes back where it was)
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), _handler(self))
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()

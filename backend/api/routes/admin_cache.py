@@ -76,6 +76,12 @@ async def get_cache_settings(_: OperatorDep, state: StateDep) -> CacheSettingsOu
     return CacheSettingsOut.of(cache_settings.current(state.engine))
 
 
+@router.patch(
+    "/settings",
+    response_model=CacheSettingsOut,
+    dependencies=[operator_audited("cache.settings")],
+    responses={**_OPERATOR, 422: {"description": "invalid_cache_settings: the engine refused a value (why)"}},
+)
 @router.put(
     "/settings",
     response_model=CacheSettingsOut,

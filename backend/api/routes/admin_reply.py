@@ -1,6 +1,6 @@
 """Admin: the tenant's reply settings — how the bot samples, its penalties against loops, its stop strings, and
-how it uses the tenant's tools. ``PUT`` replaces them (the next turn of every session uses them), ``DELETE`` returns
-to the server's defaults (``KVCHAT_REPLY_*``)."""
+how it uses the tenant's tools. ``PUT`` replaces them (the next turn of every session uses them), ``PATCH`` changes
+the fields it names (``backend/api/partial.py``), ``DELETE`` returns to the server's defaults (``KVCHAT_REPLY_*``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import AdminDep, DbDep, SettingsDep, audited
+from backend.api.partial import merged, partial_model
 from backend.core.limits import SafeText
 from backend.services import reply_settings
 from backend.services.reply_settings import ReplySettings, ToolUse
@@ -64,6 +65,9 @@ class ReplySettingsOut(ReplySettingsIn):
         )
 
 
+ReplySettingsPatch = partial_model(ReplySettingsIn)
+
+
 @router.get("", response_model=ReplySettingsOut)
 async def get_reply_settings(tenant: AdminDep, db: DbDep, settings: SettingsDep) -> ReplySettingsOut:
     own = await reply_settings.has_own(db, tenant.id)
@@ -75,6 +79,18 @@ async def get_reply_settings(tenant: AdminDep, db: DbDep, settings: SettingsDep)
 async def set_reply_settings(body: ReplySettingsIn, tenant: AdminDep, db: DbDep) -> ReplySettingsOut:
     """Replace the tenant's reply settings; the next turn of every session uses them."""
     return ReplySettingsOut.of(await reply_settings.save(db, tenant.id, body.settings()), "tenant")
+
+
+@router.patch("", response_model=ReplySettingsOut, dependencies=[audited("tenant.reply_settings")])
+async def patch_reply_settings(
+    body: ReplySettingsPatch,  # type: ignore[valid-type]
+    tenant: AdminDep,
+    db: DbDep,
+    settings: SettingsDep,
+) -> ReplySettingsOut:
+    """Change the fields given (the others keep their value: the tenant's own, else the server's defaults)."""
+    current = await get_reply_settings(tenant, db, settings)
+    return await set_reply_settings(merged(current, body, ReplySettingsIn), tenant, db)
 
 
 @router.delete("", response_model=ReplySettingsOut, dependencies=[audited("tenant.reply_settings.reset")])

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Path, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import AdminDep, DbDep, SettingsDep, audited
+from backend.api.partial import merged, partial_model
 from backend.context.blocks import BlockType
 from backend.context.rules import Rule
 from backend.core.config import Settings
@@ -98,6 +99,24 @@ async def create_rule(body: RuleIn, tenant: AdminDep, db: DbDep, settings: Setti
 async def update_rule(rule_id: RuleIdPath, body: RuleIn, tenant: AdminDep, db: DbDep, settings: SettingsDep) -> RuleOut:
     """Replace one of the tenant's rules (``enabled: false`` disables it)."""
     return RuleOut.of(await tenant_admin.update_rule(db, tenant.id, rule_id, body.rule(), _limits(settings)))
+
+
+RulePatch = partial_model(RuleIn)
+
+
+@router.patch(
+    "/{rule_id}", response_model=RuleOut, responses={**READ_ONLY, **NAME_TAKEN}, dependencies=[audited("rule.update")]
+)
+async def patch_rule(
+    rule_id: RuleIdPath,
+    body: RulePatch,  # type: ignore[valid-type]
+    tenant: AdminDep,
+    db: DbDep,
+    settings: SettingsDep,
+) -> RuleOut:
+    """Change the fields given (e.g. ``{"enabled": false}``); the others keep their value."""
+    current = RuleOut.of(await tenant_admin.own_rule(db, tenant.id, rule_id))
+    return await update_rule(rule_id, merged(current, body, RuleIn), tenant, db, settings)
 
 
 @router.delete(

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.api.deps import AdminDep, DbDep, StateDep, audit_note, audited
+from backend.api.partial import merged, partial_model
 from backend.api.routes.admin_sessions import PARTIAL, FlushOut, ReplicaOut, answer_partial
 from backend.core.limits import SafeText
 from backend.core.namespaces import CacheScope
@@ -181,6 +182,10 @@ class ContextSettingsIO(BaseModel):
         )
 
 
+TenantCachePatch = partial_model(TenantCacheIO)
+ContextSettingsPatch = partial_model(ContextSettingsIO)
+
+
 @router.get("", response_model=TenantOut)
 async def get_tenant(tenant: AdminDep) -> TenantOut:
     return TenantOut.of(tenant)
@@ -242,6 +247,25 @@ async def set_tenant_cache(
     return TenantCacheOut.of(cache)
 
 
+@router.patch(
+    "/cache",
+    response_model=TenantCacheOut,
+    dependencies=[audited("tenant.cache")],
+    responses={409: {"description": "pin_refused: the prefix is over the operator's pinned share"}, **PARTIAL},
+)
+async def patch_tenant_cache(
+    body: TenantCachePatch,  # type: ignore[valid-type]
+    tenant: AdminDep,
+    db: DbDep,
+    state: StateDep,
+    request: Request,
+    response: Response,
+) -> TenantCacheOut:
+    """Change the cache settings given; the others keep their value."""
+    current = await get_tenant_cache(tenant, db)
+    return await set_tenant_cache(merged(current, body, TenantCacheIO), tenant, db, state, request, response)
+
+
 def _gaps(report: ReplicaReport, what: str) -> str:
     return f"; {report.describe(what)}" if not report.complete else ""
 
@@ -278,6 +302,17 @@ async def get_context_settings(tenant: AdminDep, db: DbDep) -> ContextSettingsIO
 async def set_context_settings(body: ContextSettingsIO, tenant: AdminDep, db: DbDep) -> ContextSettingsIO:
     """Replace the tenant's context settings; the next message of every session uses them."""
     return ContextSettingsIO.of(await tenant_admin.save_settings(db, tenant.id, body.change()))
+
+
+@router.patch("/context-settings", response_model=ContextSettingsIO, dependencies=[audited("tenant.context_settings")])
+async def patch_context_settings(
+    body: ContextSettingsPatch,  # type: ignore[valid-type]
+    tenant: AdminDep,
+    db: DbDep,
+) -> ContextSettingsIO:
+    """Change the context settings given; the others keep their value."""
+    current = await get_context_settings(tenant, db)
+    return await set_context_settings(merged(current, body, ContextSettingsIO), tenant, db)
 
 
 @router.post(

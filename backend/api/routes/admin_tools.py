@@ -11,10 +11,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.api.deps import AdminDep, DbDep, audited
+from backend.api.deps import AdminActorDep, AdminDep, DbDep, SettingsDep, StateDep, audited
+from backend.api.partial import merged, partial_model
 from backend.core.limits import SafeText
 from backend.db.models import TenantTool
-from backend.services import tenant_tools
+from backend.services import tenant_tools, tool_calls
 from backend.services.tenant_tools import ToolChange, ToolEndpoint
 
 router = APIRouter(prefix="/admin/tools", tags=["admin: tools"])
@@ -100,9 +101,41 @@ async def list_tools(tenant: AdminDep, db: DbDep) -> list[ToolOut]:
     responses=NAME_TAKEN,
     dependencies=[audited("tool.create")],
 )
-async def create_tool(body: ToolIn, tenant: AdminDep, db: DbDep) -> ToolOut:
-    """Register a tool; the bot offers it from the next turn (when the tenant's ``tool_use`` is not ``none``)."""
-    return ToolOut.of(await tenant_tools.create_tool(db, tenant.id, body.change()))
+async def create_tool(body: ToolIn, tenant: AdminDep, db: DbDep, settings: SettingsDep) -> ToolOut:
+    """Register a tool; the bot offers it from the next turn (when the tenant's ``tool_use`` is not ``none``). A URL
+    the tool policy refuses (the server's own network) is a 422 ``invalid_tool`` with the reason."""
+    allow = settings.tools_allow_private_networks
+    return ToolOut.of(await tenant_tools.create_tool(db, tenant.id, body.change(), allow))
+
+
+class ToolTestIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    arguments: dict[str, Any] = Field(default_factory=dict, description="the call's arguments (a JSON object)")
+
+
+class ToolTestOut(BaseModel):
+    outcome: str = Field(description="ok, timeout, http_error, bad_response, unreachable, refused_address, ...")
+    content: str = Field(description="what the model would read: the endpoint's JSON (with ok), else empty")
+    detail: str = Field(description="what happened, as the audit row has it")
+    elapsed_ms: float
+
+
+@router.post("/{name}/test", response_model=ToolTestOut, responses=NOT_FOUND)
+async def test_tool(
+    name: ToolName,
+    body: ToolTestIn,
+    tenant: AdminDep,
+    state: StateDep,
+    actor: AdminActorDep,
+) -> ToolTestOut:
+    """Make one call of the tool now, as the bot would (same URL policy, secret and timeout), and show the answer.
+    Audited as ``tool.call`` under the admin key's prefix."""
+    allow = state.settings.tools_allow_private_networks
+    result = await tool_calls.try_tool(state.sessionmaker, tenant.id, name, body.arguments, allow, actor)
+    return ToolTestOut(
+        outcome=result.outcome.value, content=result.content, detail=result.detail, elapsed_ms=result.elapsed_ms
+    )
 
 
 @router.get("/{name}", response_model=ToolOut, responses=NOT_FOUND)
@@ -111,9 +144,28 @@ async def get_tool(name: ToolName, tenant: AdminDep, db: DbDep) -> ToolOut:
 
 
 @router.put("/{name}", response_model=ToolOut, responses=NOT_FOUND | NAME_TAKEN, dependencies=[audited("tool.replace")])
-async def replace_tool(name: ToolName, body: ToolIn, tenant: AdminDep, db: DbDep) -> ToolOut:
+async def replace_tool(name: ToolName, body: ToolIn, tenant: AdminDep, db: DbDep, settings: SettingsDep) -> ToolOut:
     """Replace a tool (it may be renamed); the stored secret stays unless a new one is sent."""
-    return ToolOut.of(await tenant_tools.replace_tool(db, tenant.id, name, body.change()))
+    allow = settings.tools_allow_private_networks
+    return ToolOut.of(await tenant_tools.replace_tool(db, tenant.id, name, body.change(), allow))
+
+
+ToolPatch = partial_model(ToolIn)
+
+
+@router.patch(
+    "/{name}", response_model=ToolOut, responses=NOT_FOUND | NAME_TAKEN, dependencies=[audited("tool.replace")]
+)
+async def patch_tool(
+    name: ToolName,
+    body: ToolPatch,  # type: ignore[valid-type]
+    tenant: AdminDep,
+    db: DbDep,
+    settings: SettingsDep,
+) -> ToolOut:
+    """Change the fields given (e.g. ``{"enabled": false}``); the others, and the stored secret, keep their value."""
+    current = await get_tool(name, tenant, db)
+    return await replace_tool(name, merged(current, body, ToolIn), tenant, db, settings)
 
 
 @router.delete(

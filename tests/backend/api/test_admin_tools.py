@@ -90,6 +90,25 @@ async def test_create_read_replace_delete(live: LiveServer) -> None:
         ({"secret_header": "Host"}, 422, "secret_header 'Host' cannot be used as a header name"),
         ({"secret_header": "X Key"}, 422, "secret_header 'X Key' cannot be used as a header name"),
         ({"secret_header": None}, 422, "a secret needs a secret_header to be sent in"),
+        (
+            {"url": "http://127.0.0.1:9000/orders"},
+            422,
+            "url 'http://127.0.0.1:9000/orders' is refused: 127.0.0.1 is a loopback address; tools may not call the "
+            "server's own network (the operator allows it with KVCHAT_TOOLS_ALLOW_PRIVATE_NETWORKS)",
+        ),
+        (
+            {"url": "http://localhost/orders"},
+            422,
+            "url 'http://localhost/orders' is refused: localhost resolves to 127.0.0.1, which is a loopback address; "
+            "tools may not call the server's own network (the operator allows it with "
+            "KVCHAT_TOOLS_ALLOW_PRIVATE_NETWORKS)",
+        ),
+        (
+            {"url": "http://10.1.2.3/orders"},
+            422,
+            "url 'http://10.1.2.3/orders' is refused: 10.1.2.3 is a private address; tools may not call the server's "
+            "own network (the operator allows it with KVCHAT_TOOLS_ALLOW_PRIVATE_NETWORKS)",
+        ),
     ],
 )
 async def test_a_bad_definition_is_refused_naming_the_problem(

@@ -9,16 +9,18 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 
 from backend.chat.hub import SessionHub
 from backend.chat.reply_setup import ReplySetup
 from backend.chat.reply_stream import ReplyStreamer
-from backend.chat.tool_turn import GRACEFUL_REPLY, MAX_STEPS, ToolTurn, ToolTurnResult
+from backend.chat.tool_turn import GRACEFUL_REPLY, MAX_CALLS_PER_STEP, MAX_STEPS, ToolTurn, ToolTurnResult
 from backend.chat.turn_state import Turn
 from backend.context.contact_guard import ContactGuard
 from backend.context.contacts import ContactKind
 from backend.context.grounding import Grounding
 from backend.db.engine import create_db_engine, create_sessionmaker
+from backend.db.models import AdminAudit
 from backend.engine_client.values import (
     FairShare,
     FinishReason,
@@ -175,10 +177,23 @@ async def test_a_reply_without_a_call_shows_what_was_held_back(sqlite_url: str, 
     assert (turn.text, result.exchange, endpoint.received) == ("Use the form <a> link.", None, [])
 
 
+async def tool_audit(sqlite_url: str) -> list[tuple[str, str, str | None, str, str | None]]:
+    db_engine = create_db_engine(sqlite_url)
+    try:
+        async with create_sessionmaker(db_engine)() as db:
+            rows = (await db.execute(select(AdminAudit).order_by(AdminAudit.id))).scalars().all()
+    finally:
+        await db_engine.dispose()
+    return [(r.actor, r.action, r.target, r.result, r.detail) for r in rows]
+
+
 async def test_a_call_that_does_not_parse_gets_the_graceful_reply(sqlite_url: str, endpoint: ToolServer) -> None:
     result, _turn, deltas, _ = await run(sqlite_url, endpoint, [["<tool_call>\n{not json}\n</tool_call>"]])
     assert deltas == [GRACEFUL_REPLY]
     assert (result.exchange, endpoint.received) == (None, [])
+    # attempted, though not made: audited like every call
+    detail = "session s1: a call that does not parse: '<tool_call>\\n{not json}\\n</tool_call>'"
+    assert await tool_audit(sqlite_url) == [("bot", "tool.call", "(unparsed)", "unparsed", detail)]
 
 
 async def test_a_model_that_keeps_calling_gets_the_graceful_reply(sqlite_url: str, endpoint: ToolServer) -> None:
@@ -186,6 +201,20 @@ async def test_a_model_that_keeps_calling_gets_the_graceful_reply(sqlite_url: st
     assert deltas == [GRACEFUL_REPLY]
     assert len(endpoint.received) == MAX_STEPS == len(result.exchange.steps if result.exchange else ())
     assert len(engine.requests) == MAX_STEPS + 1
+    audited = [(target, outcome, detail) for _, _, target, outcome, detail in await tool_audit(sqlite_url)]
+    assert [(target, outcome) for target, outcome, _ in audited] == [("lookup_order", "ok")] * MAX_STEPS + [
+        ("lookup_order", "over_limit")
+    ]
+    assert audited[-1][2] == f"session s1: not made: still calling tools after {MAX_STEPS} steps"
+
+
+async def test_calls_past_the_step_limit_are_audited_not_made(sqlite_url: str, endpoint: ToolServer) -> None:
+    many = [HERMES_CALL] * (MAX_CALLS_PER_STEP + 1)
+    await run(sqlite_url, endpoint, [["\n".join(many)], ["Shipped."]])
+    assert len(endpoint.received) == MAX_CALLS_PER_STEP
+    outcomes = [(target, outcome, detail) for _, _, target, outcome, detail in await tool_audit(sqlite_url)]
+    assert [o[:2] for o in outcomes] == [("lookup_order", "ok")] * MAX_CALLS_PER_STEP + [("lookup_order", "over_limit")]
+    assert outcomes[-1][2] == f"session s1: not made: more than {MAX_CALLS_PER_STEP} calls in one step"
 
 
 async def test_a_required_call_is_held_to_the_grammar_without_penalties(sqlite_url: str, endpoint: ToolServer) -> None:

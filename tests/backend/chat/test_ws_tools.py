@@ -155,3 +155,22 @@ async def test_tools_off_is_a_plain_reply(live: LiveServer, endpoint: ToolServer
     assert await tool_audit(live) == []
     (stored,) = await replies(live)
     assert stored.tool_exchange is None
+
+
+async def test_the_settings_page_test_button_makes_one_audited_call(live: LiveServer, endpoint: ToolServer) -> None:
+    await register(live, endpoint.url("/order"))
+    async with httpx.AsyncClient(base_url=live.http) as http:
+        tried = await http.post("/admin/tools/lookup_order/test", headers=A, json={"arguments": {"order_id": "A1234"}})
+        failing = await http.post("/admin/tools/nope/test", headers=A, json={"arguments": {}})
+    assert tried.status_code == 200
+    body = tried.json()
+    assert (body["outcome"], json.loads(body["content"])) == ("ok", ORDER)
+    assert re.fullmatch(r"session admin-test: HTTP 200 in \d+ ms", body["detail"])
+    (got,) = endpoint.received
+    assert (got.body, got.headers["X-Shop-Key"], got.headers["X-Kvchat-Session"]) == (
+        {"order_id": "A1234"},
+        "s3cret",
+        "admin-test",
+    )
+    assert (failing.status_code, failing.json()) == (404, {"detail": "no tool named 'nope'", "code": "tool_not_found"})
+    assert await tool_audit(live) == [(ADMIN_KEY[:12], "tool.call", "lookup_order", "ok")]

@@ -55,3 +55,32 @@ def test_the_commit_delay_test_hook_is_refused_in_production() -> None:
     with pytest.raises(ValidationError, match="test hook"):
         Settings(env="production", secret_key="s" * 32, test_commit_delay_seconds=1.0)
     assert Settings(env="test", secret_key="s" * 32, test_commit_delay_seconds=1.0).test_commit_delay_seconds == 1.0
+
+
+def test_the_cache_folder_is_one_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", "/srv/kvchat-cache")
+    settings = Settings()
+    assert settings.resolved_cache_dir == "/srv/kvchat-cache"
+    assert settings.engine_config().cache_dir == "/srv/kvchat-cache"
+    assert settings.deprecated_settings() == []
+
+
+def test_the_old_model_cache_variable_is_read_with_a_deprecation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVCHAT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("KVCHAT_MODEL_CACHE_DIR", "/srv/old-cache")
+    settings = Settings()
+    assert settings.engine_config().cache_dir == "/srv/old-cache"
+    assert settings.deprecated_settings() == [
+        "KVCHAT_MODEL_CACHE_DIR is deprecated and will be removed in the next release: it is read as "
+        "KVCHAT_CACHE_DIR (models and kernels, for every command); set that instead"
+    ]
+
+
+def test_with_both_cache_variables_the_new_one_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", "/srv/new")
+    monkeypatch.setenv("KVCHAT_MODEL_CACHE_DIR", "/srv/old")
+    settings = Settings()
+    assert settings.resolved_cache_dir == "/srv/new"
+    assert settings.deprecated_settings() == [
+        "KVCHAT_MODEL_CACHE_DIR is deprecated and ignored: KVCHAT_CACHE_DIR is set and holds every cache"
+    ]

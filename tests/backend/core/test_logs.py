@@ -77,3 +77,52 @@ async def test_request_id_is_the_clients_when_plain_and_is_echoed(sent: str | No
         assert seen == sent
     else:
         assert seen != sent and len(seen) == 16
+
+
+def _access_record(path: str) -> logging.LogRecord:
+    return logging.LogRecord(
+        "uvicorn.access",
+        logging.INFO,
+        __file__,
+        1,
+        '%s - "%s %s HTTP/%s" %d',
+        ("1.2.3.4:5", "GET", path, "1.1", 200),
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    "path", ["/livez", "/readyz", "/metrics", "/admin/stats?window_s=60", "/admin/sessions/summary"]
+)
+def test_probes_and_polls_are_kept_at_debug(path: str) -> None:
+    record = _access_record(path)
+    access = logging.getLogger("uvicorn.access")
+    before = access.level
+    try:
+        access.setLevel(logging.INFO)
+        assert logs.QuietPollsFilter().filter(record) is False
+        assert (record.levelno, record.levelname) == (logging.DEBUG, "DEBUG")
+        access.setLevel(logging.DEBUG)
+        assert logs.QuietPollsFilter().filter(_access_record(path)) is True
+    finally:
+        access.setLevel(before)
+
+
+@pytest.mark.parametrize("path", ["/admin/sessions", "/livez/extra", "/v1/chat/completions", "/admin/stats/other"])
+def test_other_requests_stay_at_info(path: str) -> None:
+    record = _access_record(path)
+    assert logs.QuietPollsFilter().filter(record) is True
+    assert record.levelno == logging.INFO
+
+
+@pytest.mark.parametrize(
+    ("message", "kept"),
+    [
+        ("Context impl SQLiteImpl.", False),
+        ("Will assume non-transactional DDL.", False),
+        ("Running upgrade 0001 -> 0002, context layer", True),
+    ],
+)
+def test_alembics_own_machinery_is_left_out(message: str, kept: bool) -> None:
+    record = logging.LogRecord("alembic.runtime.migration", logging.INFO, __file__, 1, message, None, None)
+    assert logs.AlembicChatterFilter().filter(record) is kept

@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from backend.core.namespaces import SECRET_FILE, CacheScope, Namespaces, cache_namespace, load_secret
+from backend.core.namespaces import (
+    SECRET_FILE,
+    CacheScope,
+    Namespaces,
+    SecretMismatchError,
+    cache_namespace,
+    check_shared_secret,
+    load_secret,
+    secret_tag,
+)
+from backend.db.engine import tag_of, worker_name
 
 SECRET = b"k" * 32
 PRIVATE, PUBLIC = CacheScope.PRIVATE, CacheScope.PUBLIC
@@ -73,3 +83,22 @@ def test_an_empty_secret_file_is_refused_not_used(tmp_path: Path) -> None:
     (tmp_path / SECRET_FILE).write_bytes(b"")
     with pytest.raises(RuntimeError, match="is empty"):
         load_secret(None, tmp_path)
+
+
+def test_the_secret_tag_is_short_keyed_and_stable() -> None:
+    assert secret_tag(b"one") == secret_tag(b"one")
+    assert secret_tag(b"one") != secret_tag(b"two")
+    assert len(secret_tag(b"one")) == 8 and int(secret_tag(b"one"), 16) >= 0
+
+
+def test_a_peer_with_another_secret_is_refused_and_one_with_the_same_is_not() -> None:
+    mine = secret_tag(b"one")
+    check_shared_secret(mine, {})
+    check_shared_secret(mine, {"kvchat-worker:7:aa:" + mine: mine})
+    with pytest.raises(SecretMismatchError, match=r"^another kvchat worker on this database \(kvchat-worker:8:bb:"):
+        check_shared_secret(mine, {"kvchat-worker:7:aa:" + mine: mine, "kvchat-worker:8:bb:x": secret_tag(b"two")})
+
+
+def test_a_worker_name_carries_its_tag() -> None:
+    assert tag_of(worker_name("0badc0de")) == "0badc0de"
+    assert tag_of(worker_name()) is None  # (a worker of an older release: no tag, nothing to compare)
