@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import PgServer
 
 from bench import agent_fanout
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.postgres
 
 
 def test_agent_fanout_runs_both_scenarios_and_writes_its_report(
-    pg_server: PgServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    pg_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "agent_fanout.json"
     admin = pg_server.admin_dsn
