@@ -78,6 +78,8 @@ def worker(name: str, database_url: str, model: Path, workdir: Path, migrate: bo
         "KVCHAT_BOOTSTRAP_CHAT_TOKEN": CHAT_TOKEN, "KVCHAT_BOOTSTRAP_ADMIN_KEY": ADMIN_KEY,
         "KVCHAT_RUN_MIGRATIONS_ON_START": str(migrate).lower(), "KVCHAT_LOG_LEVEL": "warning",
         "KVCHAT_MAX_CONNECTIONS_PER_CLIENT": "1000", "KVCHAT_MAX_CONNECTIONS_PER_TENANT": "1000",
+        # NOTE: one secret for both workers: a second worker with another one refuses to start (issue 45)
+        "KVCHAT_SECRET_KEY": "kvchat-agent-fanout-bench-secret",
     }  # fmt: skip
     log = workdir / f"{name}.log"
     with log.open("ab") as out:

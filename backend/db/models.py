@@ -304,6 +304,7 @@ class TenantFairShare(Base):
     weight: Mapped[float] = mapped_column(Float, default=1.0)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_concurrent: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
 
 
 class Agent(Base):

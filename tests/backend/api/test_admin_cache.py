@@ -273,6 +273,7 @@ async def test_session_detail_has_blocks_temperatures_events_and_footprint(
             "temperature": t.temperature,
             "shift": t.shift,
             "epoch": t.topic_epoch,
+            "section": [],  # the tenant has no handbook
         }
         for t in topics
     ]

@@ -107,6 +107,12 @@ def _cached(answer: dict[str, Any]) -> int:
 
 
 async def test_every_turn_of_a_session_lands_on_one_replica_and_hits_its_cache(cluster: Cluster) -> None:
+    # NOTE: the whole history in every prompt: the tiny model's replies are noise, which the topic classifier may read
+    # as a topic change (and the epoch policy would then drop the first turns); this test is about routing.
+    async with httpx.AsyncClient(base_url=cluster.backend.http, timeout=TIMEOUT_S) as http:
+        policy = {"history_policy": "full"}
+        resp = await http.patch("/admin/tenant/context-settings", headers={"X-API-Key": ADMIN_KEY}, json=policy)
+        assert resp.status_code == 200, resp.text
     async with websockets.connect(cluster.backend.ws) as ws:
         chat = Chat(ws)
         await chat.hello(CHAT_TOKEN)
