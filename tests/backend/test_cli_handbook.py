@@ -9,11 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from backend.cli import main
+from backend.cli import build_parser
 from engine.llm_engine import LLMEngine
 from support.server import ADMIN_KEY, LiveServer, server_settings, serving
 
 pytestmark = pytest.mark.postgres
+
+
+def main(argv: list[str]) -> int:
+    """``kvchat ARGV`` without ``backend.cli.main``'s logging set-up (it would keep this test's captured stderr)."""
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
 
 
 @pytest.fixture
