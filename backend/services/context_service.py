@@ -37,7 +37,6 @@ from backend.context.builder import (
     BuiltContext,
     ContextRequest,
     DropReason,
-    HistoryMessage,
     build_context,
 )
 from backend.context.rules import RuleSet
@@ -53,10 +52,10 @@ from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import InvalidationResult, SegmentedPrompt, TokenizedPrompt, common_prefix
 from backend.services import context_store
 from backend.services import sessions as store
+from backend.services.context_history import epochs_of, history_message, in_order
 from backend.services.context_store import ContextSettings, RuleSetCache
 from backend.services.handbook import HandbookCache
 from backend.services.shared_scorer import shared_scorer
-from backend.services.tool_exchange import ToolExchange
 from backend.tools.family import detect_family
 from backend.tools.prompt import offer
 from backend.tools.types import ToolFamily, ToolSpec
@@ -156,12 +155,6 @@ class LastPrompt:
     context_from: int
 
 
-def _conversation_order(m: Message) -> float:
-    # NOTE: a reply's seq can be later than a following user message (the customer typed while the bot answered);
-    # in the prompt the reply belongs right after the message it answers.
-    return m.reply_to_seq + 0.5 if m.reply_to_seq is not None else float(m.seq)
-
-
 class ContextService:
     def __init__(
         self,
@@ -231,7 +224,7 @@ class ContextService:
             return ()
         texts = [
             m.content
-            for m in _in_order(ctx.messages)
+            for m in in_order(ctx.messages)
             if m.role == MessageRole.USER.value and m.seq != message.seq and ctx.epochs.get(m.seq) == epoch
         ]
         chosen = choose(ctx.handbook, [*texts, message.content], self.choice)
@@ -243,7 +236,7 @@ class ContextService:
         topic = ctx.settings.topic
         identify = identifier_keys(ctx.rules)
         state = TopicState(ctx.epoch, ctx.temperature)
-        for m in _in_order(ctx.messages):
+        for m in in_order(ctx.messages):
             if m.seq == seq or not m.content or ctx.epochs[m.seq] != ctx.epoch:
                 continue
             if m.role == MessageRole.USER.value:
@@ -292,7 +285,7 @@ class ContextService:
             session.semantic_temperature,
             session.pinned_context,
             messages,
-            _epochs(messages, {row.message_seq: row.topic_epoch for row in history}),
+            epochs_of(messages, {row.message_seq: row.topic_epoch for row in history}),
             {row.message_seq: row.temperature for row in history},
             blocks,
             {block.key: block_id for block, block_id in rows},
@@ -319,8 +312,8 @@ class ContextService:
         for block in ctx.blocks:
             by_seq.setdefault(block.key.seq, []).append(block)
         history = tuple(
-            _history_message(m, ctx.epochs[m.seq], tuple(by_seq.get(m.seq, ())), family)
-            for m in _in_order(ctx.messages)
+            history_message(m, ctx.epochs[m.seq], tuple(by_seq.get(m.seq, ())), family)
+            for m in in_order(ctx.messages)
             if (m.role == MessageRole.USER.value and m.seq <= user_seq)
             or (
                 m.role == MessageRole.ASSISTANT.value
@@ -468,37 +461,3 @@ async def _tenant(db: AsyncSession, tenant_id: str) -> Tenant:
     if tenant is None:
         raise TenantNotFoundError(f"no tenant {tenant_id}")
     return tenant
-
-
-def _history_message(m: Message, epoch: int, blocks: tuple[Block, ...], family: ToolFamily) -> HistoryMessage:
-    """A stored message as context: a reply that called tools comes with its calls and results, then its answer."""
-    # NOTE: a human agent's reply is an assistant turn of the prompt: chat templates know no other speaker, and the
-    # customer was answered by "the assistant" either way.
-    role = MessageRole.ASSISTANT if m.role == MessageRole.AGENT.value else MessageRole(m.role)
-    if not m.tool_exchange:
-        return HistoryMessage(m.seq, role, m.content, epoch, blocks)
-    try:
-        exchange = ToolExchange.from_json(m.tool_exchange)
-    except ValueError:
-        log.warning("message %s/%d: its stored tool calls are unreadable; left out", m.session_id, m.seq)
-        return HistoryMessage(m.seq, role, m.content, epoch, blocks)
-    return HistoryMessage(m.seq, role, exchange.answer(m.content), epoch, blocks, exchange.messages(family))
-
-
-def _in_order(messages: Sequence[Message]) -> list[Message]:
-    return sorted(messages, key=_conversation_order)
-
-
-def _epochs(messages: Sequence[Message], customer: dict[int, int]) -> dict[int, int]:
-    """Each message's topic epoch: a customer message's from the topic history, a reply's from the message it
-    answers. A message without a history row (stored before the context layer, or its observation failed) takes the
-    epoch of the message before it, so the newest message is never left in an older epoch."""
-    epochs: dict[int, int] = {}
-    last = 0
-    for m in _in_order(messages):
-        if m.role == MessageRole.USER.value:
-            last = customer.get(m.seq, last)
-        elif m.reply_to_seq is not None:
-            last = epochs.get(m.reply_to_seq, last)
-        epochs[m.seq] = last
-    return epochs
