@@ -239,7 +239,8 @@ async def _start_phases(
         log.info("pinned the system + policy prefix of %d tenant(s)", pinned)
     sweeper = asyncio.create_task(_sweep_idle_sessions(chat, settings.session_timeout_seconds))
     owned.push_async_callback(_cancel, sweeper)
-    owned.enter_context(long_lived_heap_frozen())  # (full GC passes would otherwise stall every request: core/heap.py)
+    if settings.gc_freeze:
+        owned.enter_context(long_lived_heap_frozen())  # (full GC passes would otherwise stall every request: heap.py)
     app.state.kvchat = AppState(
         settings=settings,
         db_engine=db_engine,

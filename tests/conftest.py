@@ -33,6 +33,10 @@ from engine.testing import build_tiny_model
 # tests that count a default-tenant prompt's tokens were written without one, so tests start it with none, and the
 # handbook tests ask for it (``default_handbook="builtin"``). Set here so server subprocesses inherit it too.
 os.environ.setdefault("KVCHAT_DEFAULT_HANDBOOK", "none")
+# NOTE: the server's start collects the whole heap once before freezing it (backend/core/heap.py); in one test process
+# that starts hundreds of apps, next to torch and every earlier test's objects, those collections dominated the run.
+# tests/backend/core/test_heap.py covers the freeze itself, and a test that needs it on sets KVCHAT_GC_FREEZE=1.
+os.environ.setdefault("KVCHAT_GC_FREEZE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
         default="text", description="`json`: one JSON object a line, with request and session ids"
     )
     run_migrations_on_start: bool = Field(default=True, description="run `alembic upgrade head` when the server starts")
+    gc_freeze: bool = Field(
+        default=True,
+        description="collect once at start, then keep the start's objects out of full garbage collections while "
+        "serving (a full pass would stall every request; `backend/core/heap.py`). The test suite turns it off: "
+        "its collection at every app start dominates a test process that starts hundreds",
+    )
     # Engine (in-process)
     model: str = Field(
         default="smollm2",

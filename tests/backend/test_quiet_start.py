@@ -28,6 +28,7 @@ def test_a_clean_first_start_is_quiet_and_ends_with_the_keys(tiny_model_dir: Pat
         "KVCHAT_BOOTSTRAP_CHAT_TOKEN": "",
         "KVCHAT_BOOTSTRAP_ADMIN_KEY": "",
         "KVCHAT_DISABLE_KERNELS": "1",  # (no C build into the fresh cache: not what this test is about)
+        "KVCHAT_GC_FREEZE": "1",  # (what `make run` does; the suite turns it off elsewhere: tests/conftest.py)
     }
     server = start_server_process(env, tmp_path / "serve.log")
     try:
