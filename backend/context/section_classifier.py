@@ -45,15 +45,17 @@ def title_texts(sections: Sequence[Section]) -> list[str]:
 class GroupClassifier:
     """``proba(vector)``: for each section, the probability of its group for a query's unit vector."""
 
-    def __init__(self, sections: Sequence[Section], heads: Array, titles: Array, examples: Array) -> None:
+    def __init__(
+        self, sections: Sequence[Section], heads: Array, titles: Array, examples: Array, penalty_c: float = C
+    ) -> None:
         """``heads``: one vector per section; ``titles``: the vectors of ``title_texts(sections)``; ``examples``: one
-        per example, in section order."""
+        per example, in section order; ``penalty_c``: the regression's inverse penalty (``bench.section_variants``)."""
         groups = [group_of(s.title) for s in sections]
         names = sorted(set(groups))
         self._column = np.array([names.index(g) for g in groups])  # section -> the classifier's class
         labels = list(self._column) * 3 + [self._column[i] for i, s in enumerate(sections) for _ in s.examples]
         x = np.concatenate([heads, titles, examples]).astype(np.float32)
-        self._model = LogisticRegression(C=C, max_iter=3000)
+        self._model = LogisticRegression(C=penalty_c, max_iter=3000)
         self._model.fit(x, np.asarray(labels))  # NOTE: every group has its heads' rows: classes_ is 0..k-1
 
     @staticmethod
