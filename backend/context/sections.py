@@ -94,6 +94,11 @@ class SectionIndex:
                     self.sections, self._heads, embedder.embed(title_texts(self.sections)), self._examples
                 )
 
+    @property
+    def groups_fitted(self) -> bool:
+        """Whether the ranking has a group classifier (a handbook with examples and at least two groups)."""
+        return self._groups is not None
+
     def _tokens(self, texts: list[str]) -> list[list[str]]:
         with _STEMMER_LOCK:  # NOTE: a Snowball stemmer object is not thread-safe
             out = bm25s.tokenize(texts, stopwords="en", stemmer=self._stemmer, return_ids=False, show_progress=False)

@@ -76,8 +76,10 @@ def test_the_ranking_adds_the_group_only_when_a_classifier_was_fitted() -> None:
     embedder = WordEmbedder()
     query = "money back"
     bare = SectionIndex([Section(s.title, s.text) for s in SECTIONS], embedder)
+    assert not bare.groups_fitted and not SectionIndex(SECTIONS).groups_fitted  # no examples; no embedder
     assert np.array_equal(bare.scores(query, 0.3, 2.0, 0.75), bare.scores(query, 0.3, 2.0, 0.0))
     index = SectionIndex(SECTIONS, embedder)
+    assert index.groups_fitted
     with_group = index.scores(query, 0.3, 2.0, 0.75)
     assert not np.array_equal(with_group, index.scores(query, 0.3, 2.0, 0.0))
     assert float(with_group.max()) <= 1.0
