@@ -15,7 +15,9 @@ prefilled against those served from the cache (``sections``: a section costs its
 session); the mean NLL per token of the reference agent reply, teacher-forced; and the share of generated replies
 holding a URL, e-mail address or phone number that none of the grounding sources has (system prompt, handbook,
 customer messages), with the contact guard off and on (``backend/context/contact_guard.py``). Then the section
-choice's top-1 flow and subflow accuracy on the labelled requests, per ranking part, on the dev and held-out split.
+choice's top-1 flow and subflow accuracy on the labelled requests, per ranking part, on the dev and held-out split,
+and what choosing costs: a ranking, encoding a new request, and a turn's whole choice in the replay (``choose`` over
+the epoch's customer messages, as the chat runs it at each customer message).
 
     flock /tmp/kvchat-bench.lock .venv/bin/python -m bench.grounding
     .venv/bin/python -m bench.grounding --sessions 1 --turns 2 --model <folder>     # a smoke run
@@ -105,10 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _progress(f"model {args.model}: {info.dtype}, context {info.max_model_len}")
     excerpt = render_policy(json.loads(guidelines), 0, seed=0, max_chars=EXCERPT_CHARS)
     tallies = {c: Tally() for c in CONDITIONS}
+    selection_ms: list[float] = []
     sessions = load_sessions(args.data, args.sessions, args.turns)
     for n, turns in enumerate(sessions, 1):
-        replay(engine, index, sections, excerpt, turns, tallies, args)
+        replay(engine, index, sections, excerpt, turns, tallies, selection_ms, args)
         _progress(f"session {n}/{len(sessions)} ({time.monotonic() - started:.0f}s)")
+    choice["cost"] |= _selection_summary(selection_ms)
     result = _result(args, info.dtype, info.max_model_len, tallies, choice, len(sessions))
     print(_table(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -152,9 +156,11 @@ def replay(
     excerpt: str,
     turns: Sequence[Turn],
     tallies: dict[str, Tally],
+    selection_ms: list[float],
     args: argparse.Namespace,
 ) -> None:
-    """One session: at each agent turn, every condition's prompt, reply, NLL and contacts."""
+    """One session: at each agent turn, every condition's prompt, reply, NLL and contacts; and how long choosing
+    the sections took (``selection_ms``: the epoch replayed as the chat does it, earlier queries' vectors cached)."""
     rules = RuleSet.compile(DEFAULT_RULES)
     settings = TopicSettings()
     tracker = TopicTracker(settings, shared_scorer(settings.backend), identifier_keys(rules))
@@ -167,7 +173,10 @@ def replay(
             update = tracker.observe_customer(turn.text)
             epoch_messages = [turn.text] if update.shift else [*epoch_messages, turn.text]
         elif history:
-            chosen = tuple(sections[i].rendered() for i in choose(index, epoch_messages, ChoiceSettings()))
+            started = time.perf_counter()
+            picked = choose(index, epoch_messages, ChoiceSettings())
+            selection_ms.append(1000 * (time.perf_counter() - started))
+            chosen = tuple(sections[i].rendered() for i in picked)
             customer = tuple(m.content for m in history if m.role is MessageRole.USER)
             systems = {
                 "none": (head, ()),
@@ -318,6 +327,21 @@ def _ranking_cost(
     return {"index_build_s": build_s, "rank_ms": ranked_ms, "encode_query_ms": encode_ms}
 
 
+def _selection_summary(ms: Sequence[float]) -> dict[str, float | int | None]:
+    """A turn's section choice in the replay: p50, p90 and the worst, in milliseconds."""
+    ordered = sorted(ms)
+
+    def at(q: float) -> float | None:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+    return {
+        "selection_turns": len(ordered),
+        "selection_ms_p50": at(0.5),
+        "selection_ms_p90": at(0.9),
+        "selection_ms_max": at(1.0),
+    }
+
+
 def _without(sections: Sequence[Section], texts: set[str]) -> list[Section]:
     return [replace(s, examples=tuple(e for e in s.examples if e not in texts)) for s in sections]
 
@@ -397,6 +421,9 @@ def _table(result: dict[str, Any]) -> str:
         "",
         f"handbook index built in {cost['index_build_s']:.1f} s; ranking {cost['rank_ms']:.2f} ms per request with "
         f"its vector at hand, encoding a new request {cost['encode_query_ms']:.1f} ms",
+        f"a turn's section choice in the replay ({cost['selection_turns']} turns): p50 "
+        f"{_fmt(cost['selection_ms_p50'], '.1f')} ms, p90 {_fmt(cost['selection_ms_p90'], '.1f')} ms, worst "
+        f"{_fmt(cost['selection_ms_max'], '.1f')} ms",
     ]
     return "\n".join(lines) + f"\n\ncommand: {result['command']}"
 
