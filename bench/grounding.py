@@ -15,7 +15,9 @@ prefilled against those served from the cache (``sections``: a section costs its
 session); the mean NLL per token of the reference agent reply, teacher-forced; and the share of generated replies
 holding a URL, e-mail address or phone number that none of the grounding sources has (system prompt, handbook,
 customer messages), with the contact guard off and on (``backend/context/contact_guard.py``). Then the section
-choice's top-1 flow and subflow accuracy on the labelled requests, per ranking part, on the dev and held-out split.
+choice's top-1 flow and subflow accuracy on the labelled requests, per ranking part, on the dev and held-out split,
+and what choosing costs: a ranking, encoding a new request, and a turn's whole choice in the replay (``choose`` over
+the epoch's customer messages, as the chat runs it at each customer message).
 
     flock /tmp/kvchat-bench.lock .venv/bin/python -m bench.grounding
     .venv/bin/python -m bench.grounding --sessions 1 --turns 2 --model <folder>     # a smoke run
@@ -58,6 +60,7 @@ REQUESTS = DATA_DIR / "handbook_requests.jsonl"
 DEFAULT_OUT = REPO / "docs" / "benchmarks" / "grounding.json"
 CONDITIONS = ("none", "excerpt", "sections", "whole")
 EXCERPT_CHARS = 4200
+FOLDS = 10  # the dev split's folds for the section choice (see section_accuracy)
 COMMAND = "flock /tmp/kvchat-bench.lock .venv/bin/python -m bench.grounding"
 
 
@@ -104,10 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _progress(f"model {args.model}: {info.dtype}, context {info.max_model_len}")
     excerpt = render_policy(json.loads(guidelines), 0, seed=0, max_chars=EXCERPT_CHARS)
     tallies = {c: Tally() for c in CONDITIONS}
+    selection_ms: list[float] = []
     sessions = load_sessions(args.data, args.sessions, args.turns)
     for n, turns in enumerate(sessions, 1):
-        replay(engine, index, sections, excerpt, turns, tallies, args)
+        replay(engine, index, sections, excerpt, turns, tallies, selection_ms, args)
         _progress(f"session {n}/{len(sessions)} ({time.monotonic() - started:.0f}s)")
+    choice["cost"] |= _selection_summary(selection_ms)
     result = _result(args, info.dtype, info.max_model_len, tallies, choice, len(sessions))
     print(_table(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -151,9 +156,11 @@ def replay(
     excerpt: str,
     turns: Sequence[Turn],
     tallies: dict[str, Tally],
+    selection_ms: list[float],
     args: argparse.Namespace,
 ) -> None:
-    """One session: at each agent turn, every condition's prompt, reply, NLL and contacts."""
+    """One session: at each agent turn, every condition's prompt, reply, NLL and contacts; and how long choosing
+    the sections took (``selection_ms``: the epoch replayed as the chat does it, earlier queries' vectors cached)."""
     rules = RuleSet.compile(DEFAULT_RULES)
     settings = TopicSettings()
     tracker = TopicTracker(settings, shared_scorer(settings.backend), identifier_keys(rules))
@@ -166,7 +173,10 @@ def replay(
             update = tracker.observe_customer(turn.text)
             epoch_messages = [turn.text] if update.shift else [*epoch_messages, turn.text]
         elif history:
-            chosen = tuple(sections[i].rendered() for i in choose(index, epoch_messages, ChoiceSettings()))
+            started = time.perf_counter()
+            picked = choose(index, epoch_messages, ChoiceSettings())
+            selection_ms.append(1000 * (time.perf_counter() - started))
+            chosen = tuple(sections[i].rendered() for i in picked)
             customer = tuple(m.content for m in history if m.role is MessageRole.USER)
             systems = {
                 "none": (head, ()),
@@ -252,41 +262,88 @@ def reference_nll(engine: LLMEngine, prompt: SegmentedPrompt, reply: str) -> flo
 def section_accuracy(
     sections: Sequence[Section], requests: Sequence[dict[str, Any]], embedder: MiniLMSimilarity
 ) -> dict[str, Any]:
-    """Top-1 flow and subflow accuracy of each ranking part and the mix, per split.
+    """Top-1 flow and subflow accuracy of each ranking part and the mix, per split; and what a ranking costs.
 
-    NOTE: the examples are the dev split's requests, so on dev each request is ranked without its own example
-    (leave-one-out); held-out requests never serve as examples.
+    NOTE: the examples are the dev split's requests, so a dev request must be ranked by a handbook without its own
+    example: the dev split is cut in ``FOLDS`` folds, and each fold's requests are ranked by an index built without
+    that fold's examples (the group classifier, fitted on the examples, never sees them either). Held-out requests
+    never serve as examples.
     """
     plain = SectionIndex([replace(s, examples=()) for s in sections], embedder)
     default = ChoiceSettings()
-    methods: dict[str, tuple[float, float]] = {
-        "bm25": (1.0, 0.0),
-        "head vectors": (0.0, 0.0),
-        "bm25 + head vectors": (default.bm25_weight, 0.0),
-        "bm25 + head vectors + examples": (default.bm25_weight, default.example_weight),
+    methods: dict[str, tuple[float, float, float]] = {
+        "bm25": (1.0, 0.0, 0.0),
+        "head vectors": (0.0, 0.0, 0.0),
+        "bm25 + head vectors": (default.bm25_weight, 0.0, 0.0),
+        "bm25 + head vectors + examples": (default.bm25_weight, default.example_weight, 0.0),
+        "+ group classifier (the default)": (default.bm25_weight, default.example_weight, default.group_weight),
     }
-    out: dict[str, Any] = {}
+    dev = [r for r in requests if r["split"] == "dev"]
+    fold_of = {r["text"]: n % FOLDS for n, r in enumerate(dev)}
+    folds = [
+        SectionIndex(_without(sections, {t for t, k in fold_of.items() if k == f}), embedder) for f in range(FOLDS)
+    ]
+    started = time.monotonic()
     full = SectionIndex(sections, embedder)
-    for name, (bm25_weight, example_weight) in methods.items():
+    build_s = time.monotonic() - started
+    out: dict[str, Any] = {}
+    for name, weights in methods.items():
         out[name] = {}
         for split in ("dev", "held_out"):
             rows = [r for r in requests if r["split"] == split]
             flow = subflow = 0
             for r in rows:
                 index = plain
-                if example_weight:
-                    own = split == "dev"
-                    index = SectionIndex(_without(sections, r["text"]), embedder) if own else full
-                top = sections[index.ranked(r["text"], bm25_weight, example_weight)[0].index].title
+                if weights[1] or weights[2]:
+                    index = folds[fold_of[r["text"]]] if split == "dev" else full
+                top = sections[index.ranked(r["text"], *weights)[0].index].title
                 flow += top.split(": ")[0] == r["flow"]
                 subflow += top == f"{r['flow']}: {r['subflow']}"
             n = max(len(rows), 1)
             out[name][split] = {"requests": len(rows), "flow": flow / n, "subflow": subflow / n}
-    return out
+    return {"methods": out, "folds": FOLDS, "cost": _ranking_cost(full, embedder, requests, default, build_s)}
 
 
-def _without(sections: Sequence[Section], text: str) -> list[Section]:
-    return [replace(s, examples=tuple(e for e in s.examples if e != text)) for s in sections]
+def _ranking_cost(
+    index: SectionIndex,
+    embedder: MiniLMSimilarity,
+    requests: Sequence[dict[str, Any]],
+    settings: ChoiceSettings,
+    build_s: float,
+) -> dict[str, float]:
+    """Milliseconds per request: the ranking with the query's vector at hand, and encoding a new query (the part a
+    customer's first message pays once; the next turns' queries grow and are encoded again)."""
+    texts = [r["text"] for r in requests if r["split"] == "held_out"]
+    weights = (settings.bm25_weight, settings.example_weight, settings.group_weight)
+    started = time.perf_counter()
+    for text in texts:
+        index.ranked(text, *weights)  # NOTE: every vector was cached by the accuracy pass
+    ranked_ms = 1000 * (time.perf_counter() - started) / len(texts)
+    encoder = MiniLMSimilarity(embedder.encoder)  # NOTE: an empty cache over the same model
+    started = time.perf_counter()
+    for text in texts:
+        encoder.embed([text])
+    encode_ms = 1000 * (time.perf_counter() - started) / len(texts)
+    return {"index_build_s": build_s, "rank_ms": ranked_ms, "encode_query_ms": encode_ms}
+
+
+def _selection_summary(ms: Sequence[float]) -> dict[str, float | int | None]:
+    """A turn's section choice in the replay: p50, p90 and the worst, in milliseconds."""
+    ordered = sorted(ms)
+
+    def at(q: float) -> float | None:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+    return {
+        "selection_turns": len(ordered),
+        "selection_ms_p50": at(0.5),
+        "selection_ms_p90": at(0.9),
+        "selection_ms_max": at(1.0),
+    }
+
+
+def _without(sections: Sequence[Section], texts: set[str]) -> list[Section]:
+    return [replace(s, examples=tuple(e for e in s.examples if e not in texts)) for s in sections]
 
 
 # ---------------------------------------------------------------------------------------------------- output
@@ -354,11 +411,20 @@ def _table(result: dict[str, Any]) -> str:
         "| section choice | dev flow | dev subflow | held-out flow | held-out subflow |",
         "|---|---|---|---|---|",
     ]
-    for name, s in result["section_choice"].items():
+    for name, s in result["section_choice"]["methods"].items():
         lines.append(
             f"| {name} | {s['dev']['flow']:.1%} | {s['dev']['subflow']:.1%} | {s['held_out']['flow']:.1%} | "
             f"{s['held_out']['subflow']:.1%} |"
         )
+    cost = result["section_choice"]["cost"]
+    lines += [
+        "",
+        f"handbook index built in {cost['index_build_s']:.1f} s; ranking {cost['rank_ms']:.2f} ms per request with "
+        f"its vector at hand, encoding a new request {cost['encode_query_ms']:.1f} ms",
+        f"a turn's section choice in the replay ({cost['selection_turns']} turns): p50 "
+        f"{_fmt(cost['selection_ms_p50'], '.1f')} ms, p90 {_fmt(cost['selection_ms_p90'], '.1f')} ms, worst "
+        f"{_fmt(cost['selection_ms_max'], '.1f')} ms",
+    ]
     return "\n".join(lines) + f"\n\ncommand: {result['command']}"
 
 

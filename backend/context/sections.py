@@ -6,7 +6,9 @@ Ranking (``SectionIndex.scores``), each part scaled to [0, 1] over the sections,
 - BM25 over each section's title and text (``bm25s``, English stop words, Snowball stems);
 - the cosine of the query's sentence vector (all-MiniLM-L6-v2) with the section's head (its title and first
   ``HEAD_CHARS`` characters: a section's opening says what it is about, and a short text embeds fast);
-- when the handbook gives example customer questions, the best cosine with one of the section's examples.
+- when the handbook gives example customer questions, the best cosine with one of the section's examples;
+- and then the probability of the section's group (the title's part before ``": "``) from a classifier fitted on
+  the handbook's own examples, titles and heads (``backend/context/section_classifier.py``).
 
 ``bench/grounding.py`` reports the top-1 flow accuracy of each part and the mix on a labelled set of customer
 requests (``bench/data/handbook_requests.jsonl``); the weights were chosen on its dev split only.
@@ -33,6 +35,7 @@ import Stemmer
 
 from backend.context.handbook import Section
 from backend.context.minilm import Array
+from backend.context.section_classifier import GroupClassifier, title_texts
 
 
 class Embedder(Protocol):
@@ -45,11 +48,13 @@ HEAD_CHARS = 200
 @dataclass(frozen=True, slots=True)
 class ChoiceSettings:
     """``bm25_weight``: the share of BM25 against the head vectors (1: BM25 alone); ``example_weight``: what the
-    examples add; the rest as in the module's docstring. The weights were chosen on the dev split of
-    bench/data/handbook_requests.jsonl (examples scored leave-one-out)."""
+    examples add; ``group_weight``: what the group classifier adds; the rest as in the module's docstring. The
+    weights were chosen on the dev split of bench/data/handbook_requests.jsonl (a dev request's own example never
+    scores it; docs/context.md has the variants tried)."""
 
     bm25_weight: float = 0.3
     example_weight: float = 2.0
+    group_weight: float = 0.75
     min_score: float = 0.2
     switch_margin: float = 0.25
     second_ratio: float = 0.95
@@ -78,20 +83,31 @@ class SectionIndex:
         self._heads: Array | None = None
         self._examples: Array | None = None
         self._example_of: list[int] = []
+        self._groups: GroupClassifier | None = None
         if embedder is not None and self.sections:
             self._heads = embedder.embed([f"{s.title}. {s.text[:HEAD_CHARS]}" for s in self.sections])
             self._example_of = [i for i, s in enumerate(self.sections) for _ in s.examples]
             if self._example_of:
                 self._examples = embedder.embed([e for s in self.sections for e in s.examples])
+            if self._examples is not None and GroupClassifier.fits(self.sections):
+                self._groups = GroupClassifier(
+                    self.sections, self._heads, embedder.embed(title_texts(self.sections)), self._examples
+                )
+
+    @property
+    def groups_fitted(self) -> bool:
+        """Whether the ranking has a group classifier (a handbook with examples and at least two groups)."""
+        return self._groups is not None
 
     def _tokens(self, texts: list[str]) -> list[list[str]]:
         with _STEMMER_LOCK:  # NOTE: a Snowball stemmer object is not thread-safe
             out = bm25s.tokenize(texts, stopwords="en", stemmer=self._stemmer, return_ids=False, show_progress=False)
         return [list(t) for t in out]
 
-    def scores(self, query: str, bm25_weight: float, example_weight: float = 0.0) -> Array:
+    def scores(self, query: str, bm25_weight: float, example_weight: float = 0.0, group_weight: float = 0.0) -> Array:
         """Every section's score for ``query``: ``bm25_weight`` of BM25 and the rest head cosine (each in [0, 1]),
-        plus ``example_weight`` times the examples' score; scaled so the best possible is 1."""
+        plus ``example_weight`` times the examples' score and ``group_weight`` times its group's probability; scaled
+        so the best possible is 1."""
         n = len(self.sections)
         if n == 0 or not query.strip():
             return np.zeros(n, dtype=np.float32)
@@ -108,10 +124,15 @@ class SectionIndex:
                 np.maximum.at(best, self._example_of, self._examples @ vector)
                 mixed = mixed + example_weight * _min_max(best)
                 total += example_weight
+            if self._groups is not None and group_weight > 0:
+                mixed = mixed + group_weight * self._groups.proba(vector)
+                total += group_weight
         return mixed / total if total > 0 else mixed
 
-    def ranked(self, query: str, bm25_weight: float, example_weight: float = 0.0) -> list[Ranked]:
-        scores = self.scores(query, bm25_weight, example_weight)
+    def ranked(
+        self, query: str, bm25_weight: float, example_weight: float = 0.0, group_weight: float = 0.0
+    ) -> list[Ranked]:
+        scores = self.scores(query, bm25_weight, example_weight, group_weight)
         return [Ranked(int(i), float(scores[i])) for i in np.argsort(-scores, kind="stable")]
 
 
@@ -121,7 +142,7 @@ def choose(index: SectionIndex, messages: Sequence[str], settings: ChoiceSetting
     query = ""
     for message in messages:
         query = f"{query}\n{message}" if query else message
-        ranked = index.ranked(query, settings.bm25_weight, settings.example_weight)
+        ranked = index.ranked(query, settings.bm25_weight, settings.example_weight, settings.group_weight)
         if not ranked or ranked[0].score < settings.min_score:
             continue
         best = ranked[0]

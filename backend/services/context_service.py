@@ -435,6 +435,10 @@ class ContextService:
     def last_prompt(self, session_id: str) -> LastPrompt | None:
         return self._last.get(session_id)
 
+    def handbook_index(self, tenant_id: str) -> SectionIndex | None:
+        """The tenant's handbook index as this process last built it (None before its first turn)."""
+        return self._handbooks.current(tenant_id)
+
 
 async def _session_and_tenant(
     db: AsyncSession, tenant_id: str, session_id: str

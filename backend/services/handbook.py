@@ -253,6 +253,12 @@ class HandbookCache:
             self._indexes[tenant_id] = (version, index)
         return index
 
+    def current(self, tenant_id: str) -> SectionIndex | None:
+        """The index last built for the tenant, whatever its version."""
+        with self._lock:
+            cached = self._indexes.get(tenant_id)
+        return cached[1] if cached is not None else None
+
 
 async def v1_grounding(sessionmaker: async_sessionmaker[AsyncSession], tenant: Tenant) -> Grounding:
     """What a ``/v1`` reply of the tenant may take contact details from (its guard on): the system prompt, the policy

@@ -29,8 +29,11 @@ def test_one_session_under_every_condition(tiny_model_dir: Path, tmp_path: Path)
         assert conditions[name]["turns"] == 1 and conditions[name]["nll_mean"] > 0
         assert conditions[name]["invented_guard_on"] == 0.0
     assert conditions["none"]["prompt_tokens_mean"] < conditions["sections"]["prompt_tokens_mean"]
-    choice = result["section_choice"]["bm25 + head vectors + examples"]
-    assert (choice["dev"]["requests"], choice["held_out"]["requests"]) == (3, 2)
+    methods = result["section_choice"]["methods"]
+    for name in ("bm25 + head vectors + examples", "+ group classifier (the default)"):
+        assert (methods[name]["dev"]["requests"], methods[name]["held_out"]["requests"]) == (3, 2)
+    cost = result["section_choice"]["cost"]
+    assert cost["rank_ms"] > 0 and cost["selection_turns"] == 1 and cost["selection_ms_max"] > 0
 
 
 def test_an_invented_contact_is_counted_and_the_guard_removes_it() -> None:

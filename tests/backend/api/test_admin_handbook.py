@@ -4,6 +4,7 @@ exactly the blocks holding the old text (and audits the version), and clear 422s
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +125,47 @@ def test_a_fresh_install_gives_the_default_tenant_the_builtin_handbook(
         "Account and password",
         "Talking to a person",
     ]
+
+
+ABCD_HANDBOOK = {
+    "Product Defect": {
+        "description": "refunds and returns",
+        "subflows": {
+            "Initiate Refund": {
+                "instructions": ["Ask for the refund reason."],
+                "actions": [{"text": "Pull up the account.", "subtext": []}],
+                "examples": ["I want my money back for the jacket", "refund please, the zipper broke"],
+            },
+            "Refund Status": {
+                "instructions": ["Look up the refund."],
+                "actions": [{"text": "Validate the purchase.", "subtext": []}],
+                "examples": ["has my refund gone through yet", "where is the money you owe me"],
+            },
+        },
+    },
+    "Account Access": {
+        "description": "logging in",
+        "subflows": {
+            "Reset Password": {
+                "instructions": ["Send the reset link."],
+                "actions": [{"text": "Verify the identity.", "subtext": []}],
+                "examples": ["I forgot my password", "cannot log in to my account"],
+            },
+        },
+    },
+}
+
+
+async def test_a_handbook_with_examples_ranks_with_its_group_classifier_on_the_server(live: LiveServer) -> None:
+    """ABCD-style sections with example questions: the server fits the handbook's group classifier when it indexes
+    the version, and a customer's request gets the section its examples describe."""
+    async with httpx.AsyncClient(base_url=live.http) as http:
+        loaded = await _load(http, json.dumps(ABCD_HANDBOOK), "abcd")
+        assert loaded.status_code == 200, loaded.text
+        _, refund = await _turn(live, "Hi, the zipper on my jacket broke and I want my money back.")
+        _, password = await _turn(live, "I forgot my password and cannot log in.")
+        tenant_id = (await http.get("/admin/tenant", headers=A)).json()["id"]
+    assert refund["topic"]["section"][:1] == ["Product Defect: Initiate Refund"]
+    assert password["topic"]["section"][:1] == ["Account Access: Reset Password"]
+    index = live.state.chat.context.handbook_index(tenant_id)
+    assert index is not None and index.groups_fitted
