@@ -2,7 +2,8 @@
 fast while large bodies arrive, against a real ``kvchat serve`` process with the real model (SmolLM2-135M).
 
 Each measurement runs against the server of this checkout and, with ``--baseline``, against the server of another
-checkout (e.g. a ``git worktree`` of the commit before the change) with the same client, in the same run:
+checkout (e.g. a ``git archive`` of the commit before the change) with the same client: both servers run at once,
+each measurement alternates between them, so a change in the machine's load falls on both alike.
 
 - **hellos**: ``--hellos`` websockets say hello at once to a tenant capped at ``--cap`` sockets (the client measures
   each 1013 from its hello; the control is one hello alone). Then ``--crashed`` sockets say hello and drop their TCP
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import shlex
@@ -180,28 +182,40 @@ async def livez_beside_sessions(server: Server, config: Config, bodies: bool) ->
     return result | {"livez": lz.summary(), "session_turns": len(ttfts)}
 
 
-def measure(config: Config, repo: Path, database_url: str, workdir: Path) -> dict[str, Any]:
-    """The measurements of ``config.parts`` against the server of ``repo``."""
-    fconfig = fairness.Config(database_url, repo, seqs=config.seqs, waiting=config.waiting, reply_tokens=16)
+def measure(config: Config, repos: dict[str, Path], admin_url: str) -> dict[str, dict[str, Any]]:
+    """The measurements of ``config.parts`` against the server of each of ``repos``, all of them running at once
+    (each with its own scratch database), one measurement after the other, alternating between the servers: a
+    change in the machine's load between two measurements then falls on both alike."""
     env = {
         "KVCHAT_MAX_CONNECTIONS_PER_TENANT": str(config.cap),
         "KVCHAT_MAX_CONNECTIONS_PER_CLIENT": str(config.hellos + config.crashed),
         "KVCHAT_MAX_REQUEST_BYTES": str(config.max_request_mib * 1024 * 1024),
     }
-    report: dict[str, Any] = {}
-    with fairness.running_server(fconfig, workdir, env) as server, RssSampler(server).running() as rss:
-        if "hellos" in config.parts:
-            report["hellos"] = hellos(server, config, rss)
-        if "streams" in config.parts:
-            report["streams"] = streams(server, config, rss)
-        if "livez" in config.parts:
-            rss.mark("livez")
-            report["livez_sessions"] = asyncio.run(livez_beside_sessions(server, config, bodies=False))
-            report["livez_bodies"] = asyncio.run(livez_beside_sessions(server, config, bodies=True))
-        report["server_log_tracebacks"] = server.log_path.read_text(errors="replace").count("Traceback")
-    report["rss_timeline"] = rss.samples
-    report["rss_marks"] = rss.marks
-    return report
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, tuple[Server, RssSampler]] = {}
+        for name, repo in repos.items():
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvchat-refusals-")))
+            url = stack.enter_context(scratch_database(admin_url))
+            fconfig = fairness.Config(url, repo, seqs=config.seqs, waiting=config.waiting, reply_tokens=16)
+            server = stack.enter_context(fairness.running_server(fconfig, workdir, env))
+            servers[name] = server, stack.enter_context(RssSampler(server).running())
+        reports: dict[str, dict[str, Any]] = {name: {} for name in repos}
+        for part in config.parts:
+            for name, (server, rss) in servers.items():
+                reports[name] |= PART_RUNNERS[part](server, config, rss)
+        for name, (server, rss) in servers.items():
+            reports[name]["server_log_tracebacks"] = server.log_path.read_text(errors="replace").count("Traceback")
+            reports[name]["rss_timeline"] = rss.samples
+            reports[name]["rss_marks"] = rss.marks
+    return reports
+
+
+def livez(server: Server, config: Config, rss: RssSampler) -> dict[str, Any]:
+    rss.mark("livez")
+    return {
+        "livez_sessions": asyncio.run(livez_beside_sessions(server, config, bodies=False)),
+        "livez_bodies": asyncio.run(livez_beside_sessions(server, config, bodies=True)),
+    }
 
 
 def hellos(server: Server, config: Config, rss: RssSampler) -> dict[str, Any]:
@@ -215,13 +229,15 @@ def hellos(server: Server, config: Config, rss: RssSampler) -> dict[str, Any]:
     time.sleep(config.settle_s)
     settled = rss.mark(f"sockets +{config.settle_s:.0f} s")
     return {
-        "control_welcome": solo.welcomed.summary(),
-        "welcomed": burst.welcomed.summary(),
-        "refused_1013": burst.refused.summary(),
-        "reasons": burst.reasons,
-        "other": burst.other,
-        "crashed_welcomed": crashed,
-        "rss_mib": {"start": start, "closed": closed, "settled": settled},
+        "hellos": {
+            "control_welcome": solo.welcomed.summary(),
+            "welcomed": burst.welcomed.summary(),
+            "refused_1013": burst.refused.summary(),
+            "reasons": burst.reasons,
+            "other": burst.other,
+            "crashed_welcomed": crashed,
+            "rss_mib": {"start": start, "closed": closed, "settled": settled},
+        }
     }
 
 
@@ -234,17 +250,23 @@ def streams(server: Server, config: Config, rss: RssSampler) -> dict[str, Any]:
     time.sleep(config.settle_s)
     settled = rss.mark(f"streams +{config.settle_s:.0f} s")
     return {
-        "control_stream": alone.streamed.summary(),
-        "streamed": burst.streamed.summary(),
-        "refused_503": burst.refused.summary(),
-        "other": burst.other,
-        "rss_mib": {"start": start, "closed": closed, "settled": settled},
+        "streams": {
+            "control_stream": alone.streamed.summary(),
+            "streamed": burst.streamed.summary(),
+            "refused_503": burst.refused.summary(),
+            "other": burst.other,
+            "rss_mib": {"start": start, "closed": closed, "settled": settled},
+        }
     }
+
+
+PART_RUNNERS = {"hellos": hellos, "streams": streams, "livez": livez}
 
 
 def _commit(repo: Path) -> str:
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
-    return out.stdout.strip() or repo.name
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True).stdout
+    return (out.stdout.strip() + ("-dirty" if dirty.strip() else "")) if out.stdout.strip() else repo.name
 
 
 def _ms(value: float | None) -> str:
@@ -355,11 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.hellos, args.cap, args.crashed, args.streams, args.seqs, args.waiting, args.settle, args.sessions,
         args.livez_samples, args.max_request_mib, tuple(args.parts.split(",")),
     )  # fmt: skip
-    repos = ([("baseline", args.baseline.resolve())] if args.baseline else []) + [("current", REPO_ROOT)]
-    runs: dict[str, dict[str, Any]] = {}
-    for name, repo in repos:
-        with tempfile.TemporaryDirectory(prefix="kvchat-refusals-") as tmp, scratch_database(args.admin_url) as url:
-            runs[f"{name} {_commit(repo)}"] = measure(config, repo, url, Path(tmp))
+    repos = {f"baseline {_commit(args.baseline)}": args.baseline.resolve()} if args.baseline else {}
+    repos[f"current {_commit(REPO_ROOT)}"] = REPO_ROOT
+    runs = measure(config, repos, args.admin_url)
     command = "flock /tmp/kvchat-bench.lock .venv/bin/python -m bench.refusals " + shlex.join(argv or sys.argv[1:])
     title = "kvchat refusals, memory and /livez: " + " vs ".join(runs)
     print(table(runs))
