@@ -48,7 +48,7 @@ from backend.chat.turn import ReplyConfig
 from backend.core.admission import Admission
 from backend.core.config import Settings
 from backend.core.errors import one_line_reason
-from backend.core.heap import long_lived_heap_frozen
+from backend.core.heap import FreedMemoryReleaser, long_lived_heap_frozen
 from backend.core.logs import RequestIdMiddleware
 from backend.core.metrics import Metrics, instrument_database
 from backend.core.namespaces import Namespaces, check_shared_secret, load_secret, secret_tag
@@ -66,6 +66,7 @@ from backend.db.engine import (
 from backend.db.models import utcnow
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.remote import RemoteEngine
+from backend.openai import body_bound
 from backend.openai.request_plan import DEFAULT_MAX_N
 from backend.openai.service import ChatCompletions, served_model_id
 from backend.services import cache_admin, fair_share
@@ -241,6 +242,8 @@ async def _start_phases(
     owned.push_async_callback(_cancel, sweeper)
     if settings.gc_freeze:
         owned.enter_context(long_lived_heap_frozen())  # (full GC passes would otherwise stall every request: heap.py)
+    heap = FreedMemoryReleaser()
+    owned.push_async_callback(heap.stop)
     app.state.kvchat = AppState(
         settings=settings,
         db_engine=db_engine,
@@ -250,8 +253,9 @@ async def _start_phases(
         completions=ChatCompletions(gated, served_model_id(model), metrics, max_n=min(DEFAULT_MAX_N, capacity)),
         metrics=metrics,
         namespaces=namespaces,
-        admission=Admission(capacity),
+        admission=Admission(capacity, max_body_bytes=await asyncio.to_thread(body_bound.for_engine, llm)),
         quotas=quotas,
+        heap=heap,
     )
     base = f"http://{settings.host}:{settings.port}"
     startup.enter(

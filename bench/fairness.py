@@ -116,10 +116,12 @@ def server_env(config: Config, data_dir: Path) -> dict[str, str]:
 
 
 @contextmanager
-def running_server(config: Config, workdir: Path) -> Iterator[Server]:
-    """``kvchat serve`` from ``config.repo`` as a subprocess, stopped with SIGTERM afterwards."""
+def running_server(config: Config, workdir: Path, extra_env: dict[str, str] | None = None) -> Iterator[Server]:
+    """``kvchat serve`` from ``config.repo`` as a subprocess, stopped with SIGTERM afterwards; ``extra_env`` overrides
+    this benchmark's settings (``bench/refusals.py`` sets its caps)."""
     port = free_port()
-    env = os.environ | server_env(config, workdir) | {"KVCHAT_HOST": "127.0.0.1", "KVCHAT_PORT": str(port)}
+    env = os.environ | server_env(config, workdir) | (extra_env or {})
+    env |= {"KVCHAT_HOST": "127.0.0.1", "KVCHAT_PORT": str(port)}
     log_path = workdir / "server.log"
     with log_path.open("ab") as log:
         proc = subprocess.Popen(

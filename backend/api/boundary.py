@@ -9,6 +9,8 @@ Two shapes, chosen by path:
     /v1/chat/completions past the engine's  503     busy          (with Retry-After; before any other work)
       capacity (max_num_seqs + max_waiting)
     body over KVCHAT_MAX_REQUEST_BYTES      413     request_too_large
+    /v1/chat/completions body larger than   413     request_too_large (from Content-Length, unread;
+      any usable request (body_bound.py)                              backend/openai/body_bound.py)
     JSON nested deeper than MAX_JSON_DEPTH  400     invalid_request
     undecodable or invalid body / params    400/422 invalid_request   (/v1: 400; elsewhere FastAPI's 422)
     unknown path                            404     not_found
@@ -23,7 +25,8 @@ Two shapes, chosen by path:
 stops reading a chunked one at the cap, and checks JSON nesting before any parser recurses into it. ``AdmissionGuard``,
 outside it, counts completion requests from their first byte to their last (``backend/core/admission.py``) and
 refuses one past the engine's capacity at once: before its body is parsed or its key looked up, so a burst of 400 is
-refused in memory while the admitted ones run (a refusal can therefore come before a bad key's 401).
+refused in memory while the admitted ones run (a refusal can therefore come before a bad key's 401); the admitted ones
+start a few at a time, so the refusals do not wait behind their start either.
 """
 
 from __future__ import annotations
@@ -84,9 +87,10 @@ class BodyGuard:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        body = await self._read(receive) if not _declared_over(scope, self.max_bytes) else None
+        cap = min(self.max_bytes, scope.get(BODY_CAP_KEY) or self.max_bytes)
+        body = await self._read(receive, cap) if not _declared_over(scope, cap) else None
         if body is None:
-            await self._too_large(path, scope, receive, send)
+            await self._too_large(path, scope, receive, send, cap)
             return
         if await _too_deep(body):
             response = error_response(path, 400, f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
@@ -94,8 +98,8 @@ class BodyGuard:
             return
         await self.app(scope, _replay(body, receive), send)
 
-    async def _read(self, receive: Receive) -> bytes | None:
-        """The whole body, or None as soon as it passes the cap."""
+    async def _read(self, receive: Receive, cap: int) -> bytes | None:
+        """The whole body, or None as soon as it passes ``cap``."""
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -104,18 +108,23 @@ class BodyGuard:
                 break  # http.disconnect: the app sees an empty body and the client is gone anyway
             chunk: bytes = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
+            if size > cap:
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         return b"".join(chunks)
 
-    async def _too_large(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _too_large(self, path: str, scope: Scope, receive: Receive, send: Send, cap: int) -> None:
         # NOTE: the rest of the body is read and dropped (up to a bound) before answering: a client still sending
         # when the server closes gets a reset instead of the 413. Past the bound the connection is simply closed.
-        await _discard(receive, _DRAIN_FACTOR * self.max_bytes)
-        message = f"the request body is larger than {self.max_bytes} bytes (KVCHAT_MAX_REQUEST_BYTES)"
+        # A /v1 body over the usable bound (cap < max_bytes) is drained to that bound only: it can never be used,
+        # and draining 16x would let each such request make the server read ~27 MB for nothing.
+        await _discard(receive, (1 if cap < self.max_bytes else _DRAIN_FACTOR) * cap)
+        if cap < self.max_bytes:
+            message = f"the request body is larger than {cap} bytes, more than any prompt the model accepts can take"
+        else:
+            message = f"the request body is larger than {cap} bytes (KVCHAT_MAX_REQUEST_BYTES)"
         response = error_response(path, 413, message)
         response.headers["Connection"] = "close"
         await response(scope, receive, send)
@@ -169,18 +178,27 @@ class AdmissionGuard:
         if state is None or scope["method"] != "POST" or scope["path"] != COMPLETIONS_PATH:
             await self.app(scope, receive, send)
             return
+        cap = scope[BODY_CAP_KEY] = state.admission.max_body_bytes
+        if cap is not None and _declared_over(scope, cap):
+            await self.app(scope, receive, send)  # (the body guard refuses it from its Content-Length, unread)
+            return
         if not state.admission.try_enter():
             await _discard(receive, _DRAIN_FACTOR * MAX_REFUSED_BODY_BYTES)
             busy = EngineBusy(f"{state.admission.admitted} requests are already in flight", RETRY_AFTER_S)
             await from_engine_error(busy).response()(scope, receive, send)
             return
         try:
-            await self.app(scope, receive, send)
+            # NOTE: admitted requests start a few at a time (backend/core/admission.py), so the refusals of a burst
+            # are not queued behind the admitted ones' parsing and authentication on the loop.
+            async with state.admission.start_slot():
+                await self.app(scope, receive, send)
         finally:
             state.admission.leave()
+            state.heap.closed()
 
 
 COMPLETIONS_PATH = "/v1/chat/completions"
+BODY_CAP_KEY = "kvchat.max_body_bytes"  # a lower cap than KVCHAT_MAX_REQUEST_BYTES for this request (AdmissionGuard)
 MAX_REFUSED_BODY_BYTES = 1024 * 1024  # a refused request's body is read and dropped up to 16x this
 
 

@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from backend.chat.service import ChatService
 from backend.core.admission import Admission
 from backend.core.config import Settings
+from backend.core.heap import FreedMemoryReleaser
 from backend.core.metrics import Metrics
 from backend.core.namespaces import Namespaces
 from backend.core.tenant_quota import QuotaGate
@@ -29,3 +30,4 @@ class AppState:
     namespaces: Namespaces  # every engine call's cache namespace comes from here (backend/core/namespaces.py)
     admission: Admission  # /v1 requests in flight (backend/core/admission.py)
     quotas: QuotaGate  # the tenants' weights and quotas, and their use (backend/core/tenant_quota.py)
+    heap: FreedMemoryReleaser  # told when a socket or request closes: what it held goes back (backend/core/heap.py)

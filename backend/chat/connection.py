@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import WebSocket
@@ -67,8 +68,16 @@ class _Closed(Exception):
 
 
 class ChatConnection:
-    def __init__(self, ws: WebSocket, service: ChatService, limits: ConnectionLimits, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        ws: WebSocket,
+        service: ChatService,
+        limits: ConnectionLimits,
+        metrics: Metrics,
+        on_closed: Callable[[], None] | None = None,
+    ) -> None:
         self.ws = ws
+        self.on_closed = on_closed  # told once the socket is gone (the server then hands back what it held)
         self.service = service
         self.limits = limits
         self.metrics = metrics
@@ -113,22 +122,23 @@ class ChatConnection:
         try:
             hello = await self._read_hello()
             client = self._reserve_early(hello)
-            owner = await self._authenticate(hello)
-            watching = self.service.hub.keys.watch(owner.key_id, self.key_revoked.set)
-            self.tenant = owner.tenant
-            if client is None or client.tenant_id != owner.tenant.id:  # (not known, or the key changed hands)
-                if client is not None:
-                    self.service.hub.disconnect(client)
-                    client = None
-                client = self._connect(ConnectionKey(owner.tenant.id, self._client_ref(hello)))
-            try:
-                welcome = await self.service.open(self.tenant, hello)
-            except SessionNotFoundError as exc:
-                raise _Closed(CloseCode.SESSION_NOT_FOUND, str(exc)) from exc
-            self.session_id = welcome.session_id
-            logs.session_id.set(welcome.session_id)  # this socket's log lines, and its turns', carry the session
-            token = self.service.hub.subscribe(welcome.session_id, self.send)
-            self.send(welcome)
+            async with self.service.hub.welcoming:  # (a few at a time: the refusals are not queued behind them)
+                owner = await self._authenticate(hello)
+                watching = self.service.hub.keys.watch(owner.key_id, self.key_revoked.set)
+                self.tenant = owner.tenant
+                if client is None or client.tenant_id != owner.tenant.id:  # (not known, or the key changed hands)
+                    if client is not None:
+                        self.service.hub.disconnect(client)
+                        client = None
+                    client = self._connect(ConnectionKey(owner.tenant.id, self._client_ref(hello)))
+                try:
+                    welcome = await self.service.open(self.tenant, hello)
+                except SessionNotFoundError as exc:
+                    raise _Closed(CloseCode.SESSION_NOT_FOUND, str(exc)) from exc
+                self.session_id = welcome.session_id
+                logs.session_id.set(welcome.session_id)  # this socket's log lines, and its turns', carry the session
+                token = self.service.hub.subscribe(welcome.session_id, self.send)
+                self.send(welcome)
             await self._read_until_closed()
         except _Closed as closed:
             if closed.code == CloseCode.TRY_AGAIN_LATER:
@@ -151,6 +161,8 @@ class ChatConnection:
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
             self.metrics.open_sockets.dec()
+            if self.on_closed is not None:
+                self.on_closed()
 
     async def _read_until_closed(self) -> None:
         """Read frames until the client leaves, until its key is revoked, or until it has stopped reading ours for too

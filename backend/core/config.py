@@ -220,7 +220,10 @@ class Settings(BaseSettings):
         "clients only. Never a tenant's key",
     )
     max_request_bytes: int = Field(
-        default=1024 * 1024, ge=1024, description="REST request bodies over this get a 413 (`request_too_large`)"
+        default=1024 * 1024,
+        ge=1024,
+        description="REST request bodies over this get a 413 (`request_too_large`); a `/v1/chat/completions` body"
+        " also past the largest one a usable request can take (1.7 MB for SmolLM2: `backend/openai/body_bound.py`)",
     )
     allowed_origins: list[str] = Field(
         default=["*"],

@@ -30,6 +30,7 @@ from backend.context.contact_guard import ContactGuard
 from backend.context.contacts import ContactKind
 from backend.context.grounding import Grounding
 from backend.context.stateless import segment_messages
+from backend.core import admission
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
 from backend.engine_client.protocol import EngineClient
@@ -176,6 +177,7 @@ class ChatCompletions:
         # NOTE: off the event loop, in the tenant's turn on the backend's CPU workers: a long prompt takes
         # milliseconds to render and encode, and the loop serves every socket and probe of the process meanwhile.
         offered = planned.tools.offered if planned.tools is not None else ()
+        admission.started()  # (this request's part on the loop is done: the next admitted one may start)
         prompt = await run_cpu(tenant_id, self._tokenize, messages, offered)
         params = sampling_params(req, planned, len(prompt.token_ids), limit)
         meta = _Meta(

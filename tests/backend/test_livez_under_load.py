@@ -1,8 +1,9 @@
 """``/livez`` keeps answering while big and hostile requests are being refused (issue 20, defect 4).
 
 Before the fix a 4 MB body froze ``/livez`` for 3 s: bodies had no cap, and requests were parsed and tokenized on the
-event loop. Here load threads keep sending 4–8 MB bodies (with a Content-Length, and chunked), a 0.9 MB prompt (under
-the cap: tokenized, then refused for the context), 0.9 MB of nested brackets and small hostile requests to ``/v1``
+event loop. Here load threads keep sending 4–8 MB bodies (with a Content-Length, and chunked), a 0.2 MB prompt (under
+the caps: counted, then refused for the context), a 0.9 MB one (over the largest usable ``/v1`` body: refused
+unread), 0.2 MB of nested brackets and small hostile requests to ``/v1``
 and the admin routes, while the test samples ``/livez`` ~200 times: every sample must be answered 200 while the load
 is on, and every hostile request gets its expected status (an oversized body may be cut off), with no traceback.
 
@@ -68,8 +69,9 @@ LOADS = (
         b'{"status": "' + b"z" * 4 * MIB + b'"}',
         frozenset({413}),
     ),
-    Load("v1 0.9 MiB prompt", "POST", "/v1/chat/completions", CHAT, _prompt(b"word " * 180_000), frozenset({400})),
-    Load("v1 0.9 MiB nesting", "POST", "/v1/chat/completions", CHAT, b"[" * 450_000 + b"]" * 450_000, frozenset({400})),
+    Load("v1 0.2 MiB prompt", "POST", "/v1/chat/completions", CHAT, _prompt(b"word " * 40_000), frozenset({400})),
+    Load("v1 0.2 MiB nesting", "POST", "/v1/chat/completions", CHAT, b"[" * 100_000 + b"]" * 100_000, frozenset({400})),
+    Load("v1 0.9 MiB prompt", "POST", "/v1/chat/completions", CHAT, _prompt(b"word " * 180_000), frozenset({413})),
     Load("v1 NUL", "POST", "/v1/chat/completions", CHAT, _prompt(b"a\\u0000b"), frozenset({400})),
     Load("admin NUL path", "GET", "/admin/sessions/%00", ADMIN, b"", frozenset({422})),
     Load("admin offset 2**64", "GET", f"/admin/sessions?offset={2**64}", ADMIN, b"", frozenset({422})),

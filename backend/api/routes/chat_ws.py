@@ -33,7 +33,7 @@ async def chat_socket(ws: WebSocket) -> None:
         max_queued_bytes=s.ws_max_queued_bytes,
         allowed_origins=tuple(s.allowed_origins),
     )
-    await ChatConnection(ws, state.chat, limits, state.metrics).serve()
+    await ChatConnection(ws, state.chat, limits, state.metrics, state.heap.closed).serve()
 
 
 async def _refuse_starting(ws: WebSocket, exc: StartingError) -> None:
