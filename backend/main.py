@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, RedirectResponse
@@ -64,17 +65,19 @@ from backend.db.engine import (
     worker_name,
 )
 from backend.db.models import utcnow
+from backend.engine_client.model_id import served_model_id
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.remote import RemoteEngine
 from backend.openai.request_plan import DEFAULT_MAX_N
-from backend.openai.service import ChatCompletions, served_model_id
+from backend.openai.service import ChatCompletions
 from backend.services import cache_admin, fair_share
 from backend.services.context_service import ContextService
 from backend.services.reply_settings import defaults_of
 from backend.services.revocation import RevocationFeed
 from backend.services.tenants import BootstrapResult, bootstrap_default_tenant, default_handbook
-from engine.llm_engine import LLMEngine
-from engine.model.loader import locate_model, resolve_model
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvchat")
 FRONTEND_DIR = Path(__file__).resolve().parents[1] / "frontend_stub"
@@ -280,6 +283,8 @@ async def _open_engine(
         owned.push_async_callback(remote.stop)
         await remote.start()
         return remote, settings.model, settings.max_num_seqs + settings.max_waiting
+    from engine.llm_engine import LLMEngine  # NOTE: here, so a backend of a remote engine never loads torch
+
     llm = engine or LLMEngine(settings.engine_config())
     if engine is None:
         owned.push_async_callback(llm.stop)
@@ -289,6 +294,8 @@ async def _open_engine(
 
 
 async def _load_model(llm: LLMEngine, startup: Startup) -> None:
+    from engine.model.loader import locate_model, resolve_model
+
     model, cache_dir = llm.config.model, llm.config.cache_dir
     startup.enter(Phase.LOADING_MODEL, f"loading the model {model}")
     if locate_model(model, cache_dir).needs_conversion:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -35,7 +36,25 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel
 
+from backend.engine_client.messages import (
+    CacheChanges,
+    CompletionRequest,
+    Erase,
+    Flush,
+    InfoAnswer,
+    Invalidate,
+    InvalidatePrefix,
+    KvchatExtra,
+    Pin,
+    Released,
+    SessionRef,
+    StreamOptions,
+    Temperature,
+    Unpin,
+    Unpinned,
+)
 from backend.engine_client.protocol import TextTokenizer
 from backend.engine_client.remote_control import ReplicaSet
 from backend.engine_client.remote_errors import EngineMismatch, EngineProtocolError, EngineUnreachable
@@ -62,23 +81,13 @@ from backend.engine_client.values import (
     FinishReason,
     GenerationEvent,
     InvalidationResult,
+    PinResult,
     Prompt,
     RequestFinished,
     SamplingParams,
     TokenizedPrompt,
 )
-from backend.engine_client.wire import (
-    WireError,
-    erasure_from_json,
-    footprint_from_json,
-    info_from_json,
-    invalidation_from_json,
-    pin_from_json,
-    sampling_to_json,
-    settings_from_json,
-    spans_to_json,
-    stats_from_json,
-)
+from backend.engine_client.wire import WireError, decode
 from engine.prompt_encoder import PromptEncoder, needs_tokenizing
 
 log = logging.getLogger("kvchat.engine_client")
@@ -257,7 +266,7 @@ class RemoteEngine:
 
     def _checked(self, url: str, answer: Any, fingerprint: str) -> EngineInfo:
         try:
-            info = info_from_json(answer.get("info") if isinstance(answer, dict) else None)
+            info: EngineInfo = decode(InfoAnswer, answer).info
         except WireError as exc:
             raise EngineProtocolError(f"the engine replica {url} answered /kvchat/info oddly: {exc}") from None
         if info.fingerprint != fingerprint:
@@ -348,25 +357,23 @@ class RemoteEngine:
         self, prompt: TokenizedPrompt, params: SamplingParams, namespace: str, session: str | None
     ) -> dict[str, Any]:
         """OpenAI's fields (what a vLLM replica reads), and the exact request under ``kvchat`` (what ours reads)."""
-        return {
-            "model": self.model,
-            "prompt": prompt.token_ids,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "return_token_ids": True,
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "seed": params.seed,
-            "stop": list(params.stop) or None,
-            "cache_salt": namespace,
-            "kvchat": {
-                "spans": spans_to_json(prompt.spans),
-                "system_tokens": prompt.system_tokens,
-                "session": session,
-                "sampling": sampling_to_json(params),
-            },
-        }
+        request = CompletionRequest(
+            model=self.model,
+            prompt=prompt.token_ids,
+            stream=True,
+            stream_options=StreamOptions(include_usage=True),
+            return_token_ids=True,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop=list(params.stop) or None,
+            cache_salt=namespace,
+            kvchat=KvchatExtra(
+                spans=prompt.spans, system_tokens=prompt.system_tokens, session=session, sampling=params
+            ),
+        )
+        return request.model_dump(mode="json", exclude_none=True)
 
     async def _attempt(
         self, body: dict[str, Any], headers: dict[str, str], reader: StreamReader
@@ -416,26 +423,29 @@ class RemoteEngine:
         from_position: int | None = None,
         reason: str = "invalidated",
     ) -> ReportedInvalidation:
-        body = {"namespace": namespace, "session": session, "from_position": from_position, "reason": reason}
-        return self._freed("/kvchat/invalidate", body)
+        body = Invalidate(namespace=namespace, session=session, from_position=from_position, reason=reason)
+        return self._freed("/kvchat/invalidate", _json(body))
 
     def invalidate_prefix(
         self, namespace: str, token_ids: Sequence[int], from_position: int, reason: str = "invalidated"
     ) -> ReportedInvalidation:
-        body = {"namespace": namespace, "token_ids": list(token_ids), "from_position": from_position, "reason": reason}
-        return self._freed("/kvchat/invalidate-prefix", body)
+        body = InvalidatePrefix(
+            namespace=namespace, token_ids=list(token_ids), from_position=from_position, reason=reason
+        )
+        return self._freed("/kvchat/invalidate-prefix", _json(body))
 
     def flush_namespace(self, namespace: str, reason: str = "flushed") -> ReportedInvalidation:
-        return self._freed("/kvchat/flush", {"namespace": namespace, "reason": reason})
+        return self._freed("/kvchat/flush", _json(Flush(namespace=namespace, reason=reason)))
 
     def release_session(self, session: str) -> int:
-        return sum(self._best_effort("/kvchat/sessions/release", {"session": session}, _int("blocks_freed")))
+        body = _json(SessionRef(session=session))
+        return sum(r.blocks_freed for r in self._best_effort("/kvchat/sessions/release", body, _as(Released)))
 
     def erase_session(self, session: str, namespace: str) -> ReportedErasure:
         """Erase on every kvchat replica; the report names each replica where nothing was erased (a vLLM one, which
         has no per-session erase, or one that failed: the others are erased all the same)."""
-        body = {"session": session, "namespace": namespace}
-        answers, failed = self._each("POST", "/kvchat/sessions/erase", body, erasure_from_json)
+        body = _json(Erase(session=session, namespace=namespace))
+        answers, failed = self._each("POST", "/kvchat/sessions/erase", body, _as(ErasureResult))
         for url, exc in failed:
             log.warning("erasing session %s on %s failed: %s", session, url, exc)
         total = _summed(answers) if answers else ErasureResult(0, 0)
@@ -469,26 +479,28 @@ class RemoteEngine:
         return ReplicaReport(tuple(results))
 
     def session_footprint(self, session: str) -> CacheFootprint:
-        results = self._best_effort("/kvchat/sessions/footprint", {"session": session}, footprint_from_json)
+        body = _json(SessionRef(session=session))
+        results = self._best_effort("/kvchat/sessions/footprint", body, _as(CacheFootprint))
         return _summed(results) if results else CacheFootprint(0, 0)
 
     def pin_prefix(self, namespace: str, token_ids: Sequence[int]) -> ReportedPin:
         report = self._report([], "vLLM has no pinning")
         if self._kvchat is None:
             return ReportedPin(0, 0, 0, report)
-        body = {"namespace": namespace, "token_ids": list(token_ids)}
-        results = self._kvchat.everywhere("POST", "/kvchat/pin", body, pin_from_json)
+        body = _json(Pin(namespace=namespace, token_ids=list(token_ids)))
+        results = self._kvchat.everywhere("POST", "/kvchat/pin", body, _as(PinResult))
         first = results[0]
         return ReportedPin(first.blocks, first.tokens, min(r.cached for r in results), report)
 
     def unpin(self, namespace: str) -> int:
         if self._kvchat is None:
             return 0
-        return sum(self._kvchat.everywhere("POST", "/kvchat/unpin", {"namespace": namespace}, _int("blocks")))
+        body = _json(Unpin(namespace=namespace))
+        return sum(r.blocks for r in self._kvchat.everywhere("POST", "/kvchat/unpin", body, _as(Unpinned)))
 
     def set_session_temperature(self, session: str, temperature: float) -> None:
         """Sent to every replica in the background (a hint for eviction: nothing waits on it, a failure is logged)."""
-        body = {"session": session, "temperature": temperature}
+        body = _json(Temperature(session=session, temperature=temperature))
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -501,18 +513,19 @@ class RemoteEngine:
     def cache_settings(self) -> CacheSettings:
         if self._kvchat is None:
             return CacheSettings()
-        return self._kvchat.best_effort("GET", "/kvchat/cache/settings", {}, settings_from_json)[0]
+        return self._kvchat.best_effort("GET", "/kvchat/cache/settings", {}, _as(CacheSettings))[0]
 
     def configure_cache(self, **changes: object) -> CacheSettings:
         if self._kvchat is None:
             return CacheSettings().changed(**changes)
-        return self._kvchat.everywhere("POST", "/kvchat/cache/settings", {"changes": changes}, settings_from_json)[0]
+        body = _json(CacheChanges(changes=changes))
+        return self._kvchat.everywhere("POST", "/kvchat/cache/settings", body, _as(CacheSettings))[0]
 
     def stats(self) -> EngineStats:
         """Every replica's stats, summed (the replicas that answered)."""
         if self._kvchat is None:
-            return stats_from_json(_ZERO_STATS)
-        return _summed(self._kvchat.best_effort("GET", "/kvchat/stats", {}, stats_from_json))
+            return decode(EngineStats, _ZERO_STATS)
+        return _summed(self._kvchat.best_effort("GET", "/kvchat/stats", {}, _as(EngineStats)))
 
     @staticmethod
     async def _in_thread(fn: Any, *args: Any) -> None:
@@ -524,7 +537,7 @@ class RemoteEngine:
     def _freed(self, path: str, body: dict[str, Any]) -> ReportedInvalidation:
         """An invalidate or a flush: the sum over the kvchat replicas that answered (``EngineUnreachable`` when none
         did), with the report naming the others and the vLLM replicas (which have no such action)."""
-        answers, failed = self._each("POST", path, body, invalidation_from_json)
+        answers, failed = self._each("POST", path, body, _as(InvalidationResult))
         ReplicaSet.log_skipped(path, failed)
         if failed and not answers:
             raise failed[0][1]
@@ -575,13 +588,14 @@ def _summed(values: Sequence[Any]) -> Any:
     return first
 
 
-def _int(name: str) -> Any:
-    def decode(data: Any) -> int:
-        if not isinstance(data, dict) or not isinstance(data.get(name), int):
-            raise WireError(f"missing integer {name!r}")
-        return int(data[name])
+def _as(kind: type[T]) -> Callable[[Any], T]:
+    """The decoder of a replica's answer of type ``kind``."""
+    return functools.partial(decode, kind)
 
-    return decode
+
+def _json(message: BaseModel) -> dict[str, Any]:
+    body: dict[str, Any] = message.model_dump(mode="json")
+    return body
 
 
 def _none(_: Any) -> None:
