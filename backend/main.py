@@ -220,7 +220,10 @@ async def _start_phases(
         log.info("created the default tenant %s", boot.tenant_id)
     llm, model, capacity = await _open_engine(settings, engine, startup, owned)
     reply = ReplyConfig(settings.reply_max_tokens, defaults_of(settings), settings.tools_allow_private_networks)
-    metrics.watch_engine(llm)
+    snapshot = metrics.watch_engine(llm)  # (a remote engine's stats: refreshed in the background)
+    if snapshot is not None:
+        snapshot.start()
+        owned.push_async_callback(snapshot.stop)
     instrument_database(db_engine, metrics)
     quotas = await _start_quotas(sessionmaker, metrics, owned)
     gated = GatedEngine(llm, quotas)  # chat turns and /v1 completions go through the tenants' quotas

@@ -1,7 +1,8 @@
 """Prometheus metrics of one app: the engine's (vLLM-style ``kvchat:`` names) and the backend's.
 
 Engine gauges and counters are read from ``EngineClient.stats()`` when ``/metrics`` is scraped (nothing to keep in
-step); latency histograms are observed as replies stream. Each app owns its registry, so several apps in one process
+step), or, for an engine behind the network, from a snapshot refreshed in the background (a scrape never waits on a
+replica); latency histograms are observed as replies stream. Each app owns its registry, so several apps in one process
 (tests) never collide. NOTE: no label ever carries a user or session identifier: a label value per customer would
 grow the series without bound and leak who uses the service. The fair-share series (``kvchat:tenant_*``) are the one
 exception, by tenant id: tenants are created by the operator (bounded), their ids are opaque, and per-tenant served
@@ -19,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from backend.engine_client import control
+from backend.engine_client.control import StatsSnapshot
 from backend.engine_client.engine_metrics import CONTENT_TYPE as CONTENT_TYPE  # (re-exported: /metrics)
 from backend.engine_client.engine_metrics import EngineCollector, read_in_place
 from backend.engine_client.protocol import EngineClient
@@ -79,9 +82,15 @@ class Metrics:
 
         self.recent = RecentReplies()
 
-    def watch_engine(self, engine: EngineClient) -> None:
-        """Expose the engine's gauges and counters (read at scrape time)."""
-        self.registry.register(EngineCollector(read_in_place(engine)))
+    def watch_engine(self, engine: EngineClient) -> StatsSnapshot | None:
+        """Expose the engine's gauges and counters: read at scrape time, or, when its control calls wait on the
+        network, from the snapshot returned here (the caller starts and stops its refresh)."""
+        if not control.blocks(engine):
+            self.registry.register(EngineCollector(read_in_place(engine)))
+            return None
+        snapshot = StatsSnapshot(engine)
+        self.registry.register(EngineCollector(snapshot.read))
+        return snapshot
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,8 +20,9 @@ through vllm-router or one replica directly (``KVCHAT_ENGINE_URL``; docs/scale-o
   operator's action (erase, flush, invalidate, pin) names each replica that did nothing (``replica_report.py``), and
   ``reset_prefix_caches`` offers the coarser erase vLLM has (its whole prefix cache, where its server exposes it).
 
-``stats``, ``session_footprint``, ``pin_prefix``, ``unpin`` and ``cache_settings`` are called in place by the backend
-(in memory for the in-process engine): here each is one blocking round trip per replica, bounded by the timeout.
+``stats``, ``session_footprint``, ``pin_prefix``, ``unpin`` and ``cache_settings`` are one blocking round trip per
+replica here (in memory for the in-process engine): ``control_blocks`` tells the backend to await them through
+``backend/engine_client/control.py`` (a worker thread and a deadline), never to call them on the event loop.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class _Retryable(Exception):
 
 class RemoteEngine:
     """``await start()`` (checks the replicas, loads the tokenizer), then use it as any ``EngineClient``."""
+
+    control_blocks = True  # its control calls wait on the network (backend/engine_client/control.py)
 
     def __init__(
         self,
