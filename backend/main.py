@@ -65,6 +65,7 @@ from backend.db.engine import (
     worker_name,
 )
 from backend.db.models import utcnow
+from backend.engine_client.engine_process import EngineProcess
 from backend.engine_client.model_id import served_model_id
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.remote import RemoteEngine
@@ -270,18 +271,30 @@ async def _start_phases(
 async def _open_engine(
     settings: Settings, engine: LLMEngine | None, startup: Startup, owned: contextlib.AsyncExitStack
 ) -> tuple[EngineClient, str, int]:
-    """The engine, its model's name and how many requests it admits: the in-process one (the default, or ``engine``
-    when given), or a client of remote replicas when ``KVCHAT_ENGINE_URL`` is set (docs/scale-out.md)."""
-    if engine is None and settings.engine_url:
-        startup.enter(Phase.LOADING_MODEL, f"connecting to the engine replicas behind {settings.engine_url}")
+    """The engine, its model's name and how many requests it admits: the in-process one (``inproc``, or ``engine``
+    when given), a client of this machine's engine process (``process``), or of remote replicas (``remote``;
+    docs/scale-out.md)."""
+    mode = settings.resolved_engine_mode
+    if engine is None and mode != "inproc":
+        url, replicas, uds, alive = settings.engine_url or "http://engine", settings.engine_replica_urls, None, None
+        if mode == "process":
+            startup.enter(Phase.LOADING_MODEL, "starting (or joining) this machine's engine process")
+            process = EngineProcess(settings.resolved_engine_process_dir)
+            owned.push_async_callback(process.stop)
+            await process.start()
+            url, replicas, uds, alive = "http://engine", [], str(process.socket_path), lambda: process.up
+        else:
+            startup.enter(Phase.LOADING_MODEL, f"connecting to the engine replicas behind {url}")
         remote = RemoteEngine(
-            settings.engine_url,
-            settings.engine_replica_urls,
+            url,
+            replicas,
             model=settings.model,
             cache_dir=settings.resolved_cache_dir,
             secret=settings.engine_secret,
             timeout_s=settings.engine_timeout_s,
             retries=settings.engine_retries,
+            uds=uds,
+            alive=alive,
         )
         owned.push_async_callback(remote.stop)
         await remote.start()

@@ -124,15 +124,20 @@ class RemoteEngine:
         timeout_s: float = 30.0,
         retries: int = 2,
         backoff_s: float = 0.5,
+        uds: str | None = None,
+        alive: Callable[[], bool] | None = None,
     ) -> None:
+        """``uds``: reach the one engine at ``url`` through this unix socket (``engine_process.py``); ``alive``: what
+        ``is_running`` adds to "started" (the engine process's last health check)."""
         self.url = url.rstrip("/")
+        self._uds, self._alive = uds, alive
         self.model = model
         self._cache_dir = cache_dir
         self._timeout_s, self._retries, self._backoff_s = timeout_s, retries, backoff_s
         headers = {"Authorization": f"Bearer {secret}"} if secret else {}
         self._headers = headers
         self._listed = [u.rstrip("/") for u in replicas]
-        self._replicas = ReplicaSet([], headers, min(timeout_s, 10.0))  # (filled at start: _discover)
+        self._replicas = ReplicaSet([], headers, min(timeout_s, 10.0), uds)  # (filled at start: _discover)
         self._kvchat: ReplicaSet | None = None  # the replicas that are kvchat engines (vLLM ones have no control)
         self._vllm: list[str] = []  # the replicas that are vLLM servers
         self._http: httpx.AsyncClient | None = None
@@ -151,7 +156,8 @@ class RemoteEngine:
         await asyncio.to_thread(self._connect)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         timeout = httpx.Timeout(self._timeout_s, connect=min(self._timeout_s, 3.0))
-        self._http = httpx.AsyncClient(headers=self._headers, timeout=timeout, limits=limits)
+        transport = httpx.AsyncHTTPTransport(uds=self._uds, limits=limits) if self._uds else None
+        self._http = httpx.AsyncClient(headers=self._headers, timeout=timeout, limits=limits, transport=transport)
         if self._routed:
             self._background.add(asyncio.create_task(self._refresh_every(REFRESH_S), name="kvchat-replica-refresh"))
         return self.info
@@ -186,7 +192,9 @@ class RemoteEngine:
         self._encoder = PromptEncoder(tokenizer, self._info.vocab_size, self._info.max_model_len, pool_tokens)
         kvchat_urls = [u for u in self._replicas.urls if u in answers]
         self._vllm = [u for u in self._replicas.urls if u in vllm]
-        self._kvchat = ReplicaSet(kvchat_urls, self._headers, min(self._timeout_s, 10.0)) if kvchat_urls else None
+        self._kvchat = (
+            ReplicaSet(kvchat_urls, self._headers, min(self._timeout_s, 10.0), self._uds) if kvchat_urls else None
+        )
 
     def _discover(self) -> list[str]:
         """The replicas behind ``url``: vllm-router's worker list (``/list_workers``), else ``url`` itself."""
@@ -288,7 +296,7 @@ class RemoteEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._http is not None
+        return self._http is not None and (self._alive is None or self._alive())
 
     @property
     def tokenizer(self) -> TextTokenizer:
