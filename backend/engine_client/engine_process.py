@@ -34,6 +34,7 @@ from backend.engine_client.remote_errors import EngineUnreachable
 
 log = logging.getLogger("kvchat.engine_process")
 CHECK_S = 0.5  # how often every worker asks the engine whether it serves
+MAX_SOCKET_PATH = 107  # bytes of a unix socket's path (Linux's sun_path holds 108, with the NUL)
 
 
 class EngineProcess:
@@ -58,6 +59,10 @@ class EngineProcess:
 
     async def start(self) -> None:
         """Join (or start) the machine's engine; ``EngineUnreachable`` if it does not serve within the start time."""
+        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:  # (the kernel's sun_path limit)
+            raise EngineUnreachable(
+                f"{self.socket_path} is too long for a unix socket: set a shorter KVCHAT_ENGINE_PROCESS_DIR"
+            )
         self.folder.mkdir(parents=True, exist_ok=True)
         self.folder.chmod(0o700)
         transport = httpx.AsyncHTTPTransport(uds=str(self.socket_path))
