@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backend.core import logs
 from backend.core.config import Settings
@@ -73,10 +73,11 @@ def _engine_serve(args: argparse.Namespace) -> int:
 
     settings = Settings()
     host, port, secret = args.host, args.port, settings.engine_secret
-    if not secret and not is_loopback(host):
+    if not secret and not is_loopback(host) and args.uds is None:
         # NOTE: the namespace header is trusted: an open replica would let anyone read any tenant's cache.
         raise StartupError(f"refusing to serve the engine on {host} without a secret: set KVCHAT_ENGINE_SECRET")
-    _check_port(host, port)
+    if args.uds is None:
+        _check_port(host, port)
     _warn_deprecated(settings)
     _check_model(settings.model, settings.resolved_cache_dir)
     import uvicorn
@@ -90,7 +91,9 @@ def _engine_serve(args: argparse.Namespace) -> int:
     asyncio.run(engine.start())
     try:
         app = create_engine_app(engine, secret, owns_engine=False)
-        uvicorn.run(app, host=host, port=port, log_level=settings.log_level, log_config=None)
+        # NOTE: a unix socket (KVCHAT_ENGINE_MODE=process) is guarded by its folder's mode (0700), not by a secret
+        where: dict[str, Any] = {"uds": args.uds} if args.uds else {"host": host, "port": port}
+        uvicorn.run(app, **where, log_level=settings.log_level, log_config=None)
     finally:
         asyncio.run(engine.stop())
     return 0
@@ -244,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     eserve = sub.add_parser("engine-serve", help="serve the engine alone over HTTP (a replica: docs/scale-out.md)")
     eserve.add_argument("--host", default="127.0.0.1", help="bind address (another than loopback needs a secret)")
     eserve.add_argument("--port", type=int, default=8100, help="port (default 8100)")
+    eserve.add_argument("--uds", default=None, help="listen on this unix socket instead (KVCHAT_ENGINE_MODE=process)")
     eserve.set_defaults(func=_engine_serve)
     mig = sub.add_parser("migrate", help="upgrade the database schema (Alembic)")
     mig.add_argument("revision", nargs="?", default="head")

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, RedirectResponse
@@ -64,18 +65,21 @@ from backend.db.engine import (
     worker_name,
 )
 from backend.db.models import utcnow
+from backend.engine_client.engine_process import EngineProcess
+from backend.engine_client.model_id import served_model_id
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.remote import RemoteEngine
 from backend.openai import body_bound
 from backend.openai.request_plan import DEFAULT_MAX_N
-from backend.openai.service import ChatCompletions, served_model_id
+from backend.openai.service import ChatCompletions
 from backend.services import cache_admin, fair_share
 from backend.services.context_service import ContextService
 from backend.services.reply_settings import defaults_of
 from backend.services.revocation import RevocationFeed
 from backend.services.tenants import BootstrapResult, bootstrap_default_tenant, default_handbook
-from engine.llm_engine import LLMEngine
-from engine.model.loader import locate_model, resolve_model
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvchat")
 FRONTEND_DIR = Path(__file__).resolve().parents[1] / "frontend_stub"
@@ -218,7 +222,10 @@ async def _start_phases(
         log.info("created the default tenant %s", boot.tenant_id)
     llm, model, capacity = await _open_engine(settings, engine, startup, owned)
     reply = ReplyConfig(settings.reply_max_tokens, defaults_of(settings), settings.tools_allow_private_networks)
-    metrics.watch_engine(llm)
+    snapshot = metrics.watch_engine(llm)  # (a remote engine's stats: refreshed in the background)
+    if snapshot is not None:
+        snapshot.start()
+        owned.push_async_callback(snapshot.stop)
     instrument_database(db_engine, metrics)
     quotas = await _start_quotas(sessionmaker, metrics, owned)
     gated = GatedEngine(llm, quotas)  # chat turns and /v1 completions go through the tenants' quotas
@@ -269,22 +276,36 @@ async def _start_phases(
 async def _open_engine(
     settings: Settings, engine: LLMEngine | None, startup: Startup, owned: contextlib.AsyncExitStack
 ) -> tuple[EngineClient, str, int]:
-    """The engine, its model's name and how many requests it admits: the in-process one (the default, or ``engine``
-    when given), or a client of remote replicas when ``KVCHAT_ENGINE_URL`` is set (docs/scale-out.md)."""
-    if engine is None and settings.engine_url:
-        startup.enter(Phase.LOADING_MODEL, f"connecting to the engine replicas behind {settings.engine_url}")
+    """The engine, its model's name and how many requests it admits: the in-process one (``inproc``, or ``engine``
+    when given), a client of this machine's engine process (``process``), or of remote replicas (``remote``;
+    docs/scale-out.md)."""
+    mode = settings.resolved_engine_mode
+    if engine is None and mode != "inproc":
+        url, replicas, uds, alive = settings.engine_url or "http://engine", settings.engine_replica_urls, None, None
+        if mode == "process":
+            startup.enter(Phase.LOADING_MODEL, "starting (or joining) this machine's engine process")
+            process = EngineProcess(settings.resolved_engine_process_dir)
+            owned.push_async_callback(process.stop)
+            await process.start()
+            url, replicas, uds, alive = "http://engine", [], str(process.socket_path), lambda: process.up
+        else:
+            startup.enter(Phase.LOADING_MODEL, f"connecting to the engine replicas behind {url}")
         remote = RemoteEngine(
-            settings.engine_url,
-            settings.engine_replica_urls,
+            url,
+            replicas,
             model=settings.model,
             cache_dir=settings.resolved_cache_dir,
             secret=settings.engine_secret,
             timeout_s=settings.engine_timeout_s,
             retries=settings.engine_retries,
+            uds=uds,
+            alive=alive,
         )
         owned.push_async_callback(remote.stop)
         await remote.start()
         return remote, settings.model, settings.max_num_seqs + settings.max_waiting
+    from engine.llm_engine import LLMEngine  # NOTE: here, so a backend of a remote engine never loads torch
+
     llm = engine or LLMEngine(settings.engine_config())
     if engine is None:
         owned.push_async_callback(llm.stop)
@@ -294,6 +315,8 @@ async def _open_engine(
 
 
 async def _load_model(llm: LLMEngine, startup: Startup) -> None:
+    from engine.model.loader import locate_model, resolve_model
+
     model, cache_dir = llm.config.model, llm.config.cache_dir
     startup.enter(Phase.LOADING_MODEL, f"loading the model {model}")
     if locate_model(model, cache_dir).needs_conversion:

@@ -15,6 +15,9 @@ the hub and the socket (with the client's own receive on the same machine). Targ
 
 A warm-up session (one conversation, not counted) loads the topic scorer and warms the caches first. Writes
 ``docs/benchmarks/backend_overhead.json`` (every turn's figures, the machine it ran on, the command).
+
+``--engine-modes inproc,process`` measures each engine mode (``KVCHAT_ENGINE_MODE``) in turn, in the same run, on a
+fresh server each, and prints each mode's figures against the first's.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -164,6 +168,14 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def ratios(mode: dict[str, Any], base: dict[str, Any]) -> str:
+    """``mode``'s turns/s and overhead p50/p99 over ``base``'s."""
+    turns = mode["turns_per_s"] / base["turns_per_s"]
+    p50 = mode["overhead_ms"]["p50"] / base["overhead_ms"]["p50"]
+    p99 = mode["overhead_ms"]["p99"] / base["overhead_ms"]["p99"]
+    return f"turns/s {turns:.2f}x, overhead p50 {p50:.2f}x, p99 {p99:.2f}x"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.backend_overhead", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--sessions", type=int, default=100, help="websocket sessions open at once")
@@ -172,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=8, help="reply tokens per turn (KVCHAT_REPLY_MAX_TOKENS)")
     p.add_argument("--model", default="tiny", help="tiny (built here), smollm2, or a model folder")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-modes", default="inproc", help="comma-separated KVCHAT_ENGINE_MODEs, measured in turn")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p
 
@@ -184,12 +197,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(conversations) < args.sessions + 1:
         raise SystemExit(f"only {len(conversations) - 1} held-out conversations for {args.sessions} sessions")
     config = LoadConfig(args.model, 32, 256, (1,), 0.0, 0.0, args.max_tokens, 0.0, 0.0, args.seed)
-    with tempfile.TemporaryDirectory(prefix="kvchat-overhead-") as workdir, running_server(config, Path(workdir)) as s:
-        turns, wall_s = asyncio.run(measure(s, conversations, args.think_s, args.seed))
-    result = summary(turns, wall_s)
-    print(table(result))
-    p99 = result["overhead_ms"]["p99"]
-    print(f"overhead p99 {p99:.1f} ms (target ≤ {TARGET_P99_MS:.0f} ms: {'met' if p99 <= TARGET_P99_MS else 'missed'})")
+    modes = [m.strip() for m in args.engine_modes.split(",") if m.strip()]
+    by_mode: dict[str, dict[str, Any]] = {}
+    every: dict[str, list[TurnTiming]] = {}
+    for mode in modes:
+        os.environ["KVCHAT_ENGINE_MODE"] = mode  # (the server subprocess inherits it: bench.load.running_server)
+        with (
+            tempfile.TemporaryDirectory(prefix="kvchat-overhead-") as workdir,
+            running_server(config, Path(workdir)) as s,
+        ):
+            turns, wall_s = asyncio.run(measure(s, conversations, args.think_s, args.seed))
+        by_mode[mode], every[mode] = summary(turns, wall_s), turns
+        print(f"engine mode {mode}: {by_mode[mode]['turns_per_s']} turns/s\n{table(by_mode[mode])}")
+        p99 = by_mode[mode]["overhead_ms"]["p99"]
+        verdict = "met" if p99 <= TARGET_P99_MS else "missed"
+        print(f"overhead p99 {p99:.1f} ms (target ≤ {TARGET_P99_MS:.0f} ms: {verdict})")
+    for mode in modes[1:]:
+        print(f"{mode} / {modes[0]}: {ratios(by_mode[mode], by_mode[modes[0]])}")
+    result = by_mode[modes[0]]
+    turns = every[modes[0]]
     command = "flock /tmp/kvchat-bench.lock " + reproduce_command("bench.backend_overhead", sys.argv[1:])
     report = {
         "command": command,
@@ -202,11 +228,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_num_seqs": config.seqs,
             "max_waiting": config.waiting,
             "database": "sqlite (bench.load's server)",
+            "engine_modes": modes,
         },
         "target": {"overhead_ms_p99_max": TARGET_P99_MS},
         "machine": machine_info(),
-        "result": result,
+        "result": result,  # (the first engine mode's)
+        "by_engine_mode": by_mode,
         "turns": [asdict(t) | {"overhead_ms": round(t.overhead_ms, 3)} for t in turns],
+        "turns_by_engine_mode": {
+            m: [asdict(t) | {"overhead_ms": round(t.overhead_ms, 3)} for t in ts] for m, ts in every.items()
+        },
     }
     write_json(args.out, report)
     print(f"wrote {args.out}\nreproduce: {command}")

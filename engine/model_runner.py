@@ -18,8 +18,9 @@ import torch
 from engine.config import EngineConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.errors import InvalidRequestError
-from engine.model import LoadedModel, huge_pages, load_model
+from engine.model import huge_pages
 from engine.model.loader import ResolvedModel, resolve_model
+from engine.model.model_load import LoadedModel, load_model
 from engine.model.paged_attention import build_plan
 from engine.model.spec import ModelSpec
 

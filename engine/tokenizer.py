@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import transformers
 from jinja2 import TemplateError
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError
 
@@ -59,12 +60,34 @@ Offsets = list[tuple[int, int]]  # per token, its character span in the rendered
 TEMPLATE_OWNER = -1  # ``apply_chat_template_segments``: a token no segment owns (role markers, generation prompt)
 
 
+# NOTE: the tokenizer classes ``AutoTokenizer`` resolves to themselves; a folder that names one is loaded with it
+# directly, because importing ``AutoTokenizer`` imports torch (through the model configs), and a backend whose engine
+# runs elsewhere tokenizes without torch (tests/backend/engine_client/test_no_torch.py). Any other class goes
+# through ``AutoTokenizer``, which knows the model-specific ones.
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _load_hf(folder: Path, gguf_file: str | None) -> PreTrainedTokenizerBase:
+    named = None
+    if gguf_file is None and (folder / "tokenizer_config.json").is_file():
+        with open(folder / "tokenizer_config.json", encoding="utf-8") as f:
+            named = json.load(f).get("tokenizer_class")
+    generic = getattr(transformers, named, None) if named in _GENERIC_CLASSES else None
+    if generic is not None:
+        loaded: PreTrainedTokenizerBase = generic.from_pretrained(folder)
+        return loaded
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {} if gguf_file is None else {"gguf_file": gguf_file}
+    auto: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(folder, **kwargs)
+    return auto
+
+
 class Tokenizer:
     """A loaded tokenizer: ``encode``, ``decode``, ``apply_chat_template``, ``eos_token_ids``, ``vocab_size``."""
 
     def __init__(self, folder: str | os.PathLike[str], gguf_file: str | None = None) -> None:
-        kwargs: dict[str, Any] = {} if gguf_file is None else {"gguf_file": gguf_file}
-        self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(folder, **kwargs)
+        self.hf: PreTrainedTokenizerBase = _load_hf(Path(folder), gguf_file)
         self.eos_token_ids: tuple[int, ...] = _eos_token_ids(self.hf, Path(folder))
         self.control_tokens: dict[str, int] = _control_tokens(self.hf)
         # NOTE: longest first, so a split takes the longest marker at a position, as the tokenizer does.

@@ -90,7 +90,18 @@ class Settings(BaseSettings):
         description="deprecated: read as `KVCHAT_CACHE_DIR` (with a warning) when that is unset; removed in the "
         "next release",
     )
-    # Remote engine (docs/scale-out.md)
+    # Where the engine runs (docs/scale-out.md)
+    engine_mode: Literal["inproc", "process", "remote"] | None = Field(
+        default=None,
+        description="`inproc`: in this process; `process`: in one child process per machine, on a unix socket, "
+        "shared by every worker there (restarted when it exits); `remote`: the replicas at `KVCHAT_ENGINE_URL`. "
+        "Unset: `remote` when the engine URL is set, else `inproc`",
+    )
+    engine_process_dir: Path | None = Field(
+        default=None,
+        description="`process` mode: the folder of the engine's unix socket, lock and log (mode 0700; one per "
+        "machine, the same for every worker); unset: `<data dir>/engine`",
+    )
     engine_url: str | None = Field(
         default=None,
         description="a remote engine: vllm-router or one `kvchat engine-serve` replica; unset, the engine runs in "
@@ -248,6 +259,21 @@ class Settings(BaseSettings):
         if self.env == Environment.PRODUCTION and self.test_commit_delay_seconds > 0:
             raise ValueError("KVCHAT_TEST_COMMIT_DELAY_SECONDS is a test hook; it must be 0 in production")
         return self
+
+    @model_validator(mode="after")
+    def _remote_needs_a_url(self) -> Self:
+        if self.engine_mode == "remote" and not self.engine_url:
+            raise ValueError("KVCHAT_ENGINE_MODE=remote needs KVCHAT_ENGINE_URL (the router or a replica)")
+        return self
+
+    @property
+    def resolved_engine_mode(self) -> Literal["inproc", "process", "remote"]:
+        """``engine_mode``, else ``remote`` when an engine URL is set, else ``inproc``."""
+        return self.engine_mode or ("remote" if self.engine_url else "inproc")
+
+    @property
+    def resolved_engine_process_dir(self) -> Path:
+        return self.engine_process_dir or self.data_dir / "engine"
 
     @property
     def engine_replica_urls(self) -> list[str]:

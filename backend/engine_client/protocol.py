@@ -14,7 +14,10 @@ Calling it:
 - Tokenizing takes milliseconds for a long chat: callers run it off the event loop (``backend/core/offload.py``).
 - Cache control that may write or delete disk files (``invalidate``, ``flush_namespace``, ``release_session``,
   ``erase_session``, ``configure_cache``) — or, for a remote engine, wait on the network — is called through
-  ``asyncio.to_thread``, never on the event loop; the rest is bookkeeping in memory, quick enough to call in place.
+  ``asyncio.to_thread``, never on the event loop. The reads and pins (``stats``, ``session_footprint``,
+  ``pin_prefix``, ``unpin``, ``cache_settings``) are awaited through ``backend/engine_client/control.py``: in place
+  for the in-process engine (bookkeeping in memory), on a thread with a deadline for one whose ``control_blocks``
+  is true (a remote engine).
 """
 
 from __future__ import annotations

@@ -20,14 +20,16 @@ through vllm-router or one replica directly (``KVCHAT_ENGINE_URL``; docs/scale-o
   operator's action (erase, flush, invalidate, pin) names each replica that did nothing (``replica_report.py``), and
   ``reset_prefix_caches`` offers the coarser erase vLLM has (its whole prefix cache, where its server exposes it).
 
-``stats``, ``session_footprint``, ``pin_prefix``, ``unpin`` and ``cache_settings`` are called in place by the backend
-(in memory for the in-process engine): here each is one blocking round trip per replica, bounded by the timeout.
+``stats``, ``session_footprint``, ``pin_prefix``, ``unpin`` and ``cache_settings`` are one blocking round trip per
+replica here (in memory for the in-process engine): ``control_blocks`` tells the backend to await them through
+``backend/engine_client/control.py`` (a worker thread and a deadline), never to call them on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -35,7 +37,25 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel
 
+from backend.engine_client.messages import (
+    CacheChanges,
+    CompletionRequest,
+    Erase,
+    Flush,
+    InfoAnswer,
+    Invalidate,
+    InvalidatePrefix,
+    KvchatExtra,
+    Pin,
+    Released,
+    SessionRef,
+    StreamOptions,
+    Temperature,
+    Unpin,
+    Unpinned,
+)
 from backend.engine_client.protocol import TextTokenizer
 from backend.engine_client.remote_control import ReplicaSet
 from backend.engine_client.remote_errors import EngineMismatch, EngineProtocolError, EngineUnreachable
@@ -62,23 +82,13 @@ from backend.engine_client.values import (
     FinishReason,
     GenerationEvent,
     InvalidationResult,
+    PinResult,
     Prompt,
     RequestFinished,
     SamplingParams,
     TokenizedPrompt,
 )
-from backend.engine_client.wire import (
-    WireError,
-    erasure_from_json,
-    footprint_from_json,
-    info_from_json,
-    invalidation_from_json,
-    pin_from_json,
-    sampling_to_json,
-    settings_from_json,
-    spans_to_json,
-    stats_from_json,
-)
+from backend.engine_client.wire import WireError, decode
 from engine.prompt_encoder import PromptEncoder, needs_tokenizing
 
 log = logging.getLogger("kvchat.engine_client")
@@ -101,6 +111,8 @@ class _Retryable(Exception):
 class RemoteEngine:
     """``await start()`` (checks the replicas, loads the tokenizer), then use it as any ``EngineClient``."""
 
+    control_blocks = True  # its control calls wait on the network (backend/engine_client/control.py)
+
     def __init__(
         self,
         url: str,
@@ -112,15 +124,20 @@ class RemoteEngine:
         timeout_s: float = 30.0,
         retries: int = 2,
         backoff_s: float = 0.5,
+        uds: str | None = None,
+        alive: Callable[[], bool] | None = None,
     ) -> None:
+        """``uds``: reach the one engine at ``url`` through this unix socket (``engine_process.py``); ``alive``: what
+        ``is_running`` adds to "started" (the engine process's last health check)."""
         self.url = url.rstrip("/")
+        self._uds, self._alive = uds, alive
         self.model = model
         self._cache_dir = cache_dir
         self._timeout_s, self._retries, self._backoff_s = timeout_s, retries, backoff_s
         headers = {"Authorization": f"Bearer {secret}"} if secret else {}
         self._headers = headers
         self._listed = [u.rstrip("/") for u in replicas]
-        self._replicas = ReplicaSet([], headers, min(timeout_s, 10.0))  # (filled at start: _discover)
+        self._replicas = ReplicaSet([], headers, min(timeout_s, 10.0), uds)  # (filled at start: _discover)
         self._kvchat: ReplicaSet | None = None  # the replicas that are kvchat engines (vLLM ones have no control)
         self._vllm: list[str] = []  # the replicas that are vLLM servers
         self._http: httpx.AsyncClient | None = None
@@ -139,7 +156,8 @@ class RemoteEngine:
         await asyncio.to_thread(self._connect)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         timeout = httpx.Timeout(self._timeout_s, connect=min(self._timeout_s, 3.0))
-        self._http = httpx.AsyncClient(headers=self._headers, timeout=timeout, limits=limits)
+        transport = httpx.AsyncHTTPTransport(uds=self._uds, limits=limits) if self._uds else None
+        self._http = httpx.AsyncClient(headers=self._headers, timeout=timeout, limits=limits, transport=transport)
         if self._routed:
             self._background.add(asyncio.create_task(self._refresh_every(REFRESH_S), name="kvchat-replica-refresh"))
         return self.info
@@ -174,7 +192,9 @@ class RemoteEngine:
         self._encoder = PromptEncoder(tokenizer, self._info.vocab_size, self._info.max_model_len, pool_tokens)
         kvchat_urls = [u for u in self._replicas.urls if u in answers]
         self._vllm = [u for u in self._replicas.urls if u in vllm]
-        self._kvchat = ReplicaSet(kvchat_urls, self._headers, min(self._timeout_s, 10.0)) if kvchat_urls else None
+        self._kvchat = (
+            ReplicaSet(kvchat_urls, self._headers, min(self._timeout_s, 10.0), self._uds) if kvchat_urls else None
+        )
 
     def _discover(self) -> list[str]:
         """The replicas behind ``url``: vllm-router's worker list (``/list_workers``), else ``url`` itself."""
@@ -257,7 +277,7 @@ class RemoteEngine:
 
     def _checked(self, url: str, answer: Any, fingerprint: str) -> EngineInfo:
         try:
-            info = info_from_json(answer.get("info") if isinstance(answer, dict) else None)
+            info: EngineInfo = decode(InfoAnswer, answer).info
         except WireError as exc:
             raise EngineProtocolError(f"the engine replica {url} answered /kvchat/info oddly: {exc}") from None
         if info.fingerprint != fingerprint:
@@ -276,7 +296,7 @@ class RemoteEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._http is not None
+        return self._http is not None and (self._alive is None or self._alive())
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -348,25 +368,23 @@ class RemoteEngine:
         self, prompt: TokenizedPrompt, params: SamplingParams, namespace: str, session: str | None
     ) -> dict[str, Any]:
         """OpenAI's fields (what a vLLM replica reads), and the exact request under ``kvchat`` (what ours reads)."""
-        return {
-            "model": self.model,
-            "prompt": prompt.token_ids,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "return_token_ids": True,
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "seed": params.seed,
-            "stop": list(params.stop) or None,
-            "cache_salt": namespace,
-            "kvchat": {
-                "spans": spans_to_json(prompt.spans),
-                "system_tokens": prompt.system_tokens,
-                "session": session,
-                "sampling": sampling_to_json(params),
-            },
-        }
+        request = CompletionRequest(
+            model=self.model,
+            prompt=prompt.token_ids,
+            stream=True,
+            stream_options=StreamOptions(include_usage=True),
+            return_token_ids=True,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop=list(params.stop) or None,
+            cache_salt=namespace,
+            kvchat=KvchatExtra(
+                spans=prompt.spans, system_tokens=prompt.system_tokens, session=session, sampling=params
+            ),
+        )
+        return request.model_dump(mode="json", exclude_none=True)
 
     async def _attempt(
         self, body: dict[str, Any], headers: dict[str, str], reader: StreamReader
@@ -416,26 +434,29 @@ class RemoteEngine:
         from_position: int | None = None,
         reason: str = "invalidated",
     ) -> ReportedInvalidation:
-        body = {"namespace": namespace, "session": session, "from_position": from_position, "reason": reason}
-        return self._freed("/kvchat/invalidate", body)
+        body = Invalidate(namespace=namespace, session=session, from_position=from_position, reason=reason)
+        return self._freed("/kvchat/invalidate", _json(body))
 
     def invalidate_prefix(
         self, namespace: str, token_ids: Sequence[int], from_position: int, reason: str = "invalidated"
     ) -> ReportedInvalidation:
-        body = {"namespace": namespace, "token_ids": list(token_ids), "from_position": from_position, "reason": reason}
-        return self._freed("/kvchat/invalidate-prefix", body)
+        body = InvalidatePrefix(
+            namespace=namespace, token_ids=list(token_ids), from_position=from_position, reason=reason
+        )
+        return self._freed("/kvchat/invalidate-prefix", _json(body))
 
     def flush_namespace(self, namespace: str, reason: str = "flushed") -> ReportedInvalidation:
-        return self._freed("/kvchat/flush", {"namespace": namespace, "reason": reason})
+        return self._freed("/kvchat/flush", _json(Flush(namespace=namespace, reason=reason)))
 
     def release_session(self, session: str) -> int:
-        return sum(self._best_effort("/kvchat/sessions/release", {"session": session}, _int("blocks_freed")))
+        body = _json(SessionRef(session=session))
+        return sum(r.blocks_freed for r in self._best_effort("/kvchat/sessions/release", body, _as(Released)))
 
     def erase_session(self, session: str, namespace: str) -> ReportedErasure:
         """Erase on every kvchat replica; the report names each replica where nothing was erased (a vLLM one, which
         has no per-session erase, or one that failed: the others are erased all the same)."""
-        body = {"session": session, "namespace": namespace}
-        answers, failed = self._each("POST", "/kvchat/sessions/erase", body, erasure_from_json)
+        body = _json(Erase(session=session, namespace=namespace))
+        answers, failed = self._each("POST", "/kvchat/sessions/erase", body, _as(ErasureResult))
         for url, exc in failed:
             log.warning("erasing session %s on %s failed: %s", session, url, exc)
         total = _summed(answers) if answers else ErasureResult(0, 0)
@@ -469,26 +490,28 @@ class RemoteEngine:
         return ReplicaReport(tuple(results))
 
     def session_footprint(self, session: str) -> CacheFootprint:
-        results = self._best_effort("/kvchat/sessions/footprint", {"session": session}, footprint_from_json)
+        body = _json(SessionRef(session=session))
+        results = self._best_effort("/kvchat/sessions/footprint", body, _as(CacheFootprint))
         return _summed(results) if results else CacheFootprint(0, 0)
 
     def pin_prefix(self, namespace: str, token_ids: Sequence[int]) -> ReportedPin:
         report = self._report([], "vLLM has no pinning")
         if self._kvchat is None:
             return ReportedPin(0, 0, 0, report)
-        body = {"namespace": namespace, "token_ids": list(token_ids)}
-        results = self._kvchat.everywhere("POST", "/kvchat/pin", body, pin_from_json)
+        body = _json(Pin(namespace=namespace, token_ids=list(token_ids)))
+        results = self._kvchat.everywhere("POST", "/kvchat/pin", body, _as(PinResult))
         first = results[0]
         return ReportedPin(first.blocks, first.tokens, min(r.cached for r in results), report)
 
     def unpin(self, namespace: str) -> int:
         if self._kvchat is None:
             return 0
-        return sum(self._kvchat.everywhere("POST", "/kvchat/unpin", {"namespace": namespace}, _int("blocks")))
+        body = _json(Unpin(namespace=namespace))
+        return sum(r.blocks for r in self._kvchat.everywhere("POST", "/kvchat/unpin", body, _as(Unpinned)))
 
     def set_session_temperature(self, session: str, temperature: float) -> None:
         """Sent to every replica in the background (a hint for eviction: nothing waits on it, a failure is logged)."""
-        body = {"session": session, "temperature": temperature}
+        body = _json(Temperature(session=session, temperature=temperature))
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -501,18 +524,19 @@ class RemoteEngine:
     def cache_settings(self) -> CacheSettings:
         if self._kvchat is None:
             return CacheSettings()
-        return self._kvchat.best_effort("GET", "/kvchat/cache/settings", {}, settings_from_json)[0]
+        return self._kvchat.best_effort("GET", "/kvchat/cache/settings", {}, _as(CacheSettings))[0]
 
     def configure_cache(self, **changes: object) -> CacheSettings:
         if self._kvchat is None:
             return CacheSettings().changed(**changes)
-        return self._kvchat.everywhere("POST", "/kvchat/cache/settings", {"changes": changes}, settings_from_json)[0]
+        body = _json(CacheChanges(changes=changes))
+        return self._kvchat.everywhere("POST", "/kvchat/cache/settings", body, _as(CacheSettings))[0]
 
     def stats(self) -> EngineStats:
         """Every replica's stats, summed (the replicas that answered)."""
         if self._kvchat is None:
-            return stats_from_json(_ZERO_STATS)
-        return _summed(self._kvchat.best_effort("GET", "/kvchat/stats", {}, stats_from_json))
+            return decode(EngineStats, _ZERO_STATS)
+        return _summed(self._kvchat.best_effort("GET", "/kvchat/stats", {}, _as(EngineStats)))
 
     @staticmethod
     async def _in_thread(fn: Any, *args: Any) -> None:
@@ -524,7 +548,7 @@ class RemoteEngine:
     def _freed(self, path: str, body: dict[str, Any]) -> ReportedInvalidation:
         """An invalidate or a flush: the sum over the kvchat replicas that answered (``EngineUnreachable`` when none
         did), with the report naming the others and the vLLM replicas (which have no such action)."""
-        answers, failed = self._each("POST", path, body, invalidation_from_json)
+        answers, failed = self._each("POST", path, body, _as(InvalidationResult))
         ReplicaSet.log_skipped(path, failed)
         if failed and not answers:
             raise failed[0][1]
@@ -575,13 +599,14 @@ def _summed(values: Sequence[Any]) -> Any:
     return first
 
 
-def _int(name: str) -> Any:
-    def decode(data: Any) -> int:
-        if not isinstance(data, dict) or not isinstance(data.get(name), int):
-            raise WireError(f"missing integer {name!r}")
-        return int(data[name])
+def _as(kind: type[T]) -> Callable[[Any], T]:
+    """The decoder of a replica's answer of type ``kind``."""
+    return functools.partial(decode, kind)
 
-    return decode
+
+def _json(message: BaseModel) -> dict[str, Any]:
+    body: dict[str, Any] = message.model_dump(mode="json")
+    return body
 
 
 def _none(_: Any) -> None:

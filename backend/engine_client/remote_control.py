@@ -40,9 +40,11 @@ T = TypeVar("T")
 class ReplicaSet:
     """Blocking JSON calls to each replica (called through ``asyncio.to_thread`` where the interface says so)."""
 
-    def __init__(self, urls: Sequence[str], headers: dict[str, str], timeout_s: float) -> None:
+    def __init__(self, urls: Sequence[str], headers: dict[str, str], timeout_s: float, uds: str | None = None) -> None:
         self.urls = [u.rstrip("/") for u in urls]
-        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)))
+        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
+        transport = httpx.HTTPTransport(uds=uds) if uds else None  # (the engine process's unix socket)
+        self._http = httpx.Client(headers=headers, timeout=timeout, transport=transport)
         self.down: set[str] = set()  # the replicas whose last call did not reach them
 
     def close(self) -> None:

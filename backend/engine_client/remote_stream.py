@@ -19,15 +19,9 @@ from backend.engine_client.values import (
     RequestFinished,
     RequestStats,
     TokenDelta,
+    TokenLogprob,
 )
-from backend.engine_client.wire import (
-    WireError,
-    error_from_body,
-    finish_reason_from_json,
-    logprobs_from_json,
-    request_stats_from_json,
-)
-from engine.outputs import TokenLogprob
+from backend.engine_client.wire import WireError, decode, error_from_body
 
 _FROM_OPENAI = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
 
@@ -86,7 +80,7 @@ class StreamReader:
             raise WireError("a choice whose text or token_ids are of the wrong kind")
         if not text and not ids:
             return None
-        logprobs = logprobs_from_json(extra["logprobs"]) if "logprobs" in extra else ()
+        logprobs = decode(tuple[TokenLogprob, ...], extra["logprobs"]) if "logprobs" in extra else ()
         self.text.append(text)
         self.token_ids.extend(ids)
         self.logprobs.extend(logprobs)
@@ -94,14 +88,14 @@ class StreamReader:
 
     def _reason_of(self, openai: object, extra: dict[str, Any]) -> FinishReason:
         if "finish_reason" in extra:
-            return finish_reason_from_json(extra["finish_reason"])
+            return decode(FinishReason, extra["finish_reason"])
         if openai not in _FROM_OPENAI:
             raise WireError(f"unknown finish reason {openai!r}")
         return _FROM_OPENAI[str(openai)]
 
     def _stats_of(self, usage: dict[str, Any], extra: dict[str, Any]) -> RequestStats:
         if "stats" in extra:
-            return request_stats_from_json(extra["stats"])
+            return decode(RequestStats, extra["stats"])
         details = usage.get("prompt_tokens_details") or {}
         try:
             return RequestStats(

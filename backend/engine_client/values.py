@@ -20,6 +20,7 @@ from engine.errors import (
     PromptTooLongError,
 )
 from engine.fair_share import DEFAULT_SHARE, FairShare
+from engine.kv.block_meta import TokenSpan
 from engine.kv.cache_control import ErasureResult, PinResult
 from engine.kv.cache_stats import CacheStats
 from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult
@@ -63,6 +64,7 @@ __all__ = [
     "TierStats",
     "TokenDelta",
     "TokenLogprob",
+    "TokenSpan",
     "TokenizedPrompt",
     "common_prefix",
 ]

@@ -1,9 +1,9 @@
-"""The engine's values as JSON: what ``kvchat engine-serve`` (``backend/engine_server``) writes and ``RemoteEngine``
-(``remote.py``) reads, so both sides agree in one place.
+"""The engine's values as JSON, declared once: the engine's frozen dataclasses are their own schema, and pydantic
+encodes and checks them (``encode``, ``decode``); the request bodies and the few other answers are the pydantic
+models of ``messages.py``. ``kvchat engine-serve`` (``backend/engine_server``) writes with these and ``RemoteEngine``
+(``remote.py``) reads with them, so both sides agree in one place.
 
-Encoding is generic (``to_json``: dataclasses, mappings, tuples, enums). Decoding is per type, because the values are
-frozen dataclasses with nested ones (``EngineStats``) and typed fields (``FinishReason``, ``GrammarKind``); a field
-missing or of the wrong kind raises ``WireError``, which the client maps to a clear engine error ("garbage").
+A body that does not fit its type raises ``WireError``, which the client maps to a clear engine error ("garbage").
 
 Errors travel as ``{"error": {"code", "message", "type", "retry_after_s"?}}``: ``error_body`` writes one from an
 ``EngineError``, ``error_from_body`` rebuilds the same class from its stable ``code``.
@@ -11,40 +11,22 @@ Errors travel as ``{"error": {"code", "message", "type", "retry_after_s"?}}``: `
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from pydantic import TypeAdapter, ValidationError
+
 from backend.engine_client.values import (
-    CacheFootprint,
-    CacheSettings,
-    CacheStats,
     EmptyPromptError,
     EngineBusy,
     EngineError,
-    EngineInfo,
-    EngineStats,
     EngineStopped,
-    ErasureResult,
-    FinishReason,
-    InvalidationResult,
     InvalidRequestError,
     InvalidSamplingParamsError,
-    PinResult,
     PromptTooLongError,
     RequestStats,
-    SamplingParams,
-    StructuredOutput,
-    TierStats,
 )
 from engine.errors import RequestAborted, RequestFailed
-from engine.kv.block_meta import TokenSpan
-from engine.kv.cache_stats import InvalidationCounts
-from engine.kv.kv_cache_manager import KVCacheUsage
-from engine.outputs import TokenLogprob
-from engine.sampling_params import GrammarKind
 
 T = TypeVar("T")
 
@@ -53,123 +35,41 @@ class WireError(ValueError):
     """A JSON body that is not what the engine server writes (a wrong field, a missing one, another server)."""
 
 
-def to_json(value: Any) -> Any:
-    """Dataclasses, mappings, tuples and enums as plain JSON values."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, Mapping):
-        return {str(k): to_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [to_json(v) for v in value]
+_ADAPTERS: dict[Any, TypeAdapter[Any]] = {}
+
+
+def _adapter(kind: Any) -> TypeAdapter[Any]:
+    """One adapter per type, built once (building one compiles its validator and serializer)."""
+    adapter = _ADAPTERS.get(kind)
+    if adapter is None:
+        adapter = _ADAPTERS[kind] = TypeAdapter(kind)
+    return adapter
+
+
+def _plain(value: Any) -> Any:
+    # NOTE: the engine's reports hold read-only mappings (``MappingProxyType``), which pydantic does not know.
+    if isinstance(value, MappingProxyType):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} has no JSON form")
+
+
+def encode(value: Any, kind: Any = None) -> Any:
+    """``value`` (of type ``kind``, else its own class) as plain JSON values."""
+    kind = kind or type(value)
+    return _adapter(kind).dump_python(value, mode="json", fallback=_plain, warnings=False)
+
+
+def decode(kind: type[T], data: object) -> T:
+    """A ``kind`` from its JSON form; ``WireError`` when the data does not fit (an engine error a value's own check
+    raises, such as a bad ``SamplingParams``, goes through as it is)."""
+    try:
+        value: T = _adapter(kind).validate_python(data)
+    except ValidationError as exc:
+        name = getattr(kind, "__name__", str(kind))
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid"}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise WireError(f"bad {name}: {where or 'value'}: {first.get('msg', 'invalid')}") from None
     return value
-
-
-def flat(cls: Callable[..., T], data: object) -> T:
-    """A dataclass of plain fields from its JSON object (``WireError`` when it does not fit)."""
-    if not isinstance(data, dict):
-        raise WireError(f"expected an object for {getattr(cls, '__name__', cls)}, got {type(data).__name__}")
-    try:
-        return cls(**data)
-    except (TypeError, ValueError, EngineError) as exc:
-        raise WireError(f"bad {getattr(cls, '__name__', cls)}: {exc}") from None
-
-
-def _mapping(data: object, value: Callable[[Any], Any] = lambda v: v) -> Mapping[str, Any]:
-    if not isinstance(data, dict):
-        raise WireError(f"expected an object, got {type(data).__name__}")
-    return MappingProxyType({str(k): value(v) for k, v in data.items()})
-
-
-def _field(data: object, name: str) -> Any:
-    if not isinstance(data, dict) or name not in data:
-        raise WireError(f"missing field {name!r}")
-    return data[name]
-
-
-# ---------------------------------------------------------------------------------------------- requests
-
-
-def sampling_to_json(params: SamplingParams) -> dict[str, Any]:
-    out: dict[str, Any] = to_json(params)
-    return out
-
-
-def sampling_from_json(data: object) -> SamplingParams:
-    """``SamplingParams`` from ``sampling_to_json``'s object (its own checks run: ``InvalidSamplingParamsError``)."""
-    if not isinstance(data, dict):
-        raise InvalidRequestError("kvchat.sampling must be an object")
-    fields = dict(data)
-    tuples = ("stop_token_ids", "stop")
-    for name in tuples:
-        if name in fields and isinstance(fields[name], list):
-            fields[name] = tuple(fields[name])
-    if isinstance(fields.get("logit_bias"), list):
-        fields["logit_bias"] = tuple(_pair(p) for p in fields["logit_bias"])
-    structured = fields.get("structured")
-    if isinstance(structured, dict):
-        try:
-            fields["structured"] = StructuredOutput(
-                GrammarKind(str(structured.get("kind"))), structured.get("spec", "")
-            )
-        except ValueError as exc:
-            raise InvalidSamplingParamsError(f"structured output: {exc}") from None
-    try:
-        return SamplingParams(**fields)
-    except TypeError as exc:
-        raise InvalidRequestError(f"kvchat.sampling: {exc}") from None
-
-
-def _pair(item: object) -> tuple[int, float]:
-    if not isinstance(item, list) or len(item) != 2:
-        raise InvalidSamplingParamsError("logit_bias entries must be [token_id, bias] pairs")
-    return int(item[0]), float(item[1])
-
-
-def spans_to_json(spans: tuple[TokenSpan, ...]) -> list[list[Any]]:
-    return [[s.start, s.end, s.block_type, s.block_id, s.parent_id] for s in spans]
-
-
-def spans_from_json(data: object) -> tuple[TokenSpan, ...]:
-    """Segment spans (``[start, end, block_type, block_id, parent_id]`` rows); ``InvalidRequestError`` if malformed."""
-    if not isinstance(data, list):
-        raise InvalidRequestError("kvchat.spans must be a list of [start, end, block_type, block_id, parent_id]")
-    try:
-        return tuple(TokenSpan(*row) for row in data)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"kvchat.spans: {exc}") from None
-
-
-# ---------------------------------------------------------------------------------------------- the stream
-
-
-def logprobs_from_json(data: object) -> tuple[TokenLogprob, ...]:
-    if not isinstance(data, list):
-        raise WireError("logprobs must be a list")
-    try:
-        return tuple(
-            TokenLogprob(int(d["token_id"]), float(d["logprob"]), tuple((int(t), float(p)) for t, p in d["top"]))
-            for d in data
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise WireError(f"bad logprobs: {exc}") from None
-
-
-def request_stats_from_json(data: object) -> RequestStats:
-    if not isinstance(data, dict):
-        raise WireError("stats must be an object")
-    fields = dict(data)
-    for name in ("prompt_tokens_by_type", "cached_tokens_by_type", "cached_tokens_by_tier"):
-        fields[name] = _mapping(fields.get(name, {}), int)
-    return flat(RequestStats, fields)
-
-
-def finish_reason_from_json(data: object) -> FinishReason:
-    try:
-        return FinishReason(str(data))
-    except ValueError:
-        raise WireError(f"unknown finish reason {data!r}") from None
 
 
 def usage_of(stats: RequestStats) -> dict[str, Any]:
@@ -183,48 +83,6 @@ def usage_of(stats: RequestStats) -> dict[str, Any]:
             "cached_tokens_by_tier": dict(stats.cached_tokens_by_tier),
         },
     }
-
-
-# ---------------------------------------------------------------------------------------------- engine reports
-
-
-def info_from_json(data: object) -> EngineInfo:
-    return flat(EngineInfo, data)
-
-
-def stats_from_json(data: object) -> EngineStats:
-    fields = dict(_mapping(data))
-    cache = dict(_mapping(_field(fields, "cache")))
-    for name in ("query_tokens_by_type", "hit_tokens_by_type", "cached_blocks_by_type"):
-        cache[name] = _mapping(_field(cache, name), int)
-    cache["invalidations"] = _mapping(_field(cache, "invalidations"), lambda v: flat(InvalidationCounts, v))
-    fields["cache"] = flat(CacheStats, cache)
-    fields["kv"] = flat(KVCacheUsage, _field(fields, "kv"))
-    fields["tiers"] = flat(TierStats, _field(fields, "tiers"))
-    return flat(EngineStats, fields)
-
-
-def settings_from_json(data: object) -> CacheSettings:
-    fields = dict(_mapping(data))
-    if "type_weights" in fields:
-        fields["type_weights"] = _mapping(fields["type_weights"], float)
-    return flat(CacheSettings, fields)
-
-
-def invalidation_from_json(data: object) -> InvalidationResult:
-    return flat(InvalidationResult, data)
-
-
-def erasure_from_json(data: object) -> ErasureResult:
-    return flat(ErasureResult, data)
-
-
-def pin_from_json(data: object) -> PinResult:
-    return flat(PinResult, data)
-
-
-def footprint_from_json(data: object) -> CacheFootprint:
-    return flat(CacheFootprint, data)
 
 
 # ---------------------------------------------------------------------------------------------- errors

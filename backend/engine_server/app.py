@@ -8,8 +8,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from backend.engine_client.model_id import served_model_id
 from backend.engine_server import completions, control, errors
-from backend.openai.service import served_model_id
 from engine.llm_engine import LLMEngine
 
 

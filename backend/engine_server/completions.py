@@ -22,6 +22,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from backend.engine_client.messages import ChatCompletionRequest, CompletionRequest, _Sampling
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import (
     EngineError,
@@ -29,13 +30,14 @@ from backend.engine_client.values import (
     GenerationEvent,
     Prompt,
     RequestFinished,
+    RequestStats,
     SamplingParams,
     TokenDelta,
     TokenizedPrompt,
+    TokenLogprob,
 )
-from backend.engine_client.wire import error_body, sampling_from_json, spans_from_json, to_json, usage_of
+from backend.engine_client.wire import encode, error_body, usage_of
 from backend.engine_server.auth import require_secret
-from backend.engine_server.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 
 router = APIRouter(dependencies=[Depends(require_secret)])
 NAMESPACE_HEADER = "X-Kvchat-Namespace"
@@ -68,7 +70,7 @@ async def completions(
     prompt: Prompt = body.prompt
     if isinstance(body.prompt, list) and body.kvchat and (body.kvchat.spans or body.kvchat.system_tokens):
         extra = body.kvchat
-        prompt = TokenizedPrompt(list(body.prompt), spans_from_json(extra.spans), extra.system_tokens)
+        prompt = TokenizedPrompt(list(body.prompt), extra.spans, extra.system_tokens)
     return await _answer(engine, request, body, prompt, namespace, chat=False)
 
 
@@ -100,7 +102,7 @@ async def _answer(
 def sampling_of(body: _Sampling) -> SamplingParams:
     """``kvchat.sampling`` exactly when the backend sent it; else from OpenAI's fields (checked by the engine)."""
     if body.kvchat is not None and body.kvchat.sampling is not None:
-        return sampling_from_json(body.kvchat.sampling)
+        return body.kvchat.sampling
     fields = {
         "max_tokens": body.max_tokens,
         "temperature": body.temperature,
@@ -136,8 +138,8 @@ def _final(chunk: Chunk, done: RequestFinished) -> dict[str, Any]:
     out["usage"] = usage_of(done.stats)
     out["kvchat"] = {
         "finish_reason": done.finish_reason.value,
-        "stats": to_json(done.stats),
-        "prompt_logprobs": to_json(done.prompt_logprobs),
+        "stats": encode(done.stats, RequestStats),
+        "prompt_logprobs": list(done.prompt_logprobs) if done.prompt_logprobs is not None else None,
     }
     return out
 
@@ -145,7 +147,7 @@ def _final(chunk: Chunk, done: RequestFinished) -> dict[str, Any]:
 def _delta(chunk: Chunk, delta: TokenDelta) -> dict[str, Any]:
     out = chunk(delta.text, delta.token_ids, None)
     if delta.logprobs:
-        out["kvchat"] = {"logprobs": to_json(delta.logprobs)}
+        out["kvchat"] = {"logprobs": encode(delta.logprobs, tuple[TokenLogprob, ...])}
     return out
 
 

@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 
 from backend.context.contact_guard import ContactGuard
 from backend.context.contacts import ContactKind
@@ -60,11 +59,6 @@ MODEL_ALIAS = "default"
 KEEPALIVE_S = 15.0  # an SSE comment after this much silence keeps proxies and clients from timing out
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks that its client is still there
 _STARTED = int(time.time())
-
-
-def served_model_id(model: str) -> str:
-    """The id ``/v1`` serves the configured ``model`` under (``KVCHAT_MODEL``: a name or a path)."""
-    return "kvchat/" + Path(model).name.removesuffix(".gguf")
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from backend.core.errors import InvalidCacheSettingsError, NamespaceSharedError,
 from backend.core.namespaces import CacheScope, Namespaces
 from backend.db.models import Tenant
 from backend.domain import InvalidationReason, ReplicaErase
+from backend.engine_client import control
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.replica_report import PrefixCacheReset, ReplicaOutcome, ReportedErasure, report_of
 from backend.engine_client.values import ErasureResult, InvalidationResult, InvalidRequestError, PinResult
@@ -182,12 +183,13 @@ def prefix_token_ids(engine: EngineClient, system_prompt: str, policy_text: str)
     return tokenized.token_ids[:end]
 
 
-def pin(engine: EngineClient, namespaces: Namespaces, tenant: Tenant) -> PinResult:
+async def pin(engine: EngineClient, namespaces: Namespaces, tenant: Tenant) -> PinResult:
     """(Re)pin the tenant's part 1 in its namespace, in place of its earlier pin (kept when this one is refused:
     ``PinRefusedError``, over the operator's pinned share)."""
     namespace = namespace_of(namespaces, tenant)
     try:
-        result = engine.pin_prefix(namespace, prefix_token_ids(engine, tenant.system_prompt, tenant.policy_text))
+        token_ids = prefix_token_ids(engine, tenant.system_prompt, tenant.policy_text)
+        result = await control.pin_prefix(engine, namespace, token_ids)
     except InvalidRequestError as exc:
         raise PinRefusedError(f"the prefix cannot be pinned: {exc}") from exc
     return result
@@ -206,7 +208,7 @@ async def prefix_edited(
             db, tenant.id, None, reason, actor, freed.blocks_freed, freed.tokens_freed
         )
         await db.commit()
-    pinned = _pin_or_log(engine, namespaces, tenant) if tenant.pin_prefix else None
+    pinned = await _pin_or_log(engine, namespaces, tenant) if tenant.pin_prefix else None
     return PrefixEdit(tenant, freed, pinned)
 
 
@@ -224,9 +226,9 @@ async def set_tenant_cache(
     old_namespace, was_pinned = namespace_of(namespaces, tenant), tenant.pin_prefix
     tenant.cache_scope = change.cache_scope.value
     # NOTE: a refused pin raises before anything is stored, and the engine kept the earlier pin
-    pinned = pin(engine, namespaces, tenant) if change.pin_prefix else None
+    pinned = await pin(engine, namespaces, tenant) if change.pin_prefix else None
     if was_pinned and not change.pin_prefix:
-        engine.unpin(old_namespace)
+        await control.unpin(engine, old_namespace)
     tenant.pin_prefix = change.pin_prefix
     tenant.replica_erase = change.replica_erase.value
     await db.commit()
@@ -245,12 +247,12 @@ async def pin_at_start(
     async with sessionmaker() as db:
         rows = await db.execute(select(Tenant).where(Tenant.pin_prefix.is_(True)))
         pinning = list(rows.scalars())
-    return sum(_pin_or_log(engine, namespaces, tenant) is not None for tenant in pinning)
+    return sum([await _pin_or_log(engine, namespaces, tenant) is not None for tenant in pinning])
 
 
-def _pin_or_log(engine: EngineClient, namespaces: Namespaces, tenant: Tenant) -> PinResult | None:
+async def _pin_or_log(engine: EngineClient, namespaces: Namespaces, tenant: Tenant) -> PinResult | None:
     try:
-        return pin(engine, namespaces, tenant)
+        return await pin(engine, namespaces, tenant)
     except PinRefusedError as exc:
         log.warning("tenant %s: %s", tenant.id, exc)
         return None

@@ -12,12 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from backend.core.errors import InvalidCacheSettingsError
+from backend.engine_client import control
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import CacheSettings, InvalidRequestError
 
 
-def current(engine: EngineClient) -> CacheSettings:
-    return engine.cache_settings()
+async def current(engine: EngineClient) -> CacheSettings:
+    return await control.cache_settings(engine)
 
 
 async def configure(engine: EngineClient, changes: Mapping[str, Any]) -> CacheSettings:
@@ -26,7 +27,7 @@ async def configure(engine: EngineClient, changes: Mapping[str, Any]) -> CacheSe
     A value the engine refuses changes nothing and is an ``InvalidCacheSettingsError`` (422) with the engine's reason.
     """
     if not changes:
-        return engine.cache_settings()
+        return await control.cache_settings(engine)
     try:
         # NOTE: off the event loop: a lower disk cap deletes files
         return await asyncio.to_thread(engine.configure_cache, **changes)

@@ -10,6 +10,7 @@ caller passes in as a ``LiveChat``.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
@@ -20,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from backend.context.blocks import Block
 from backend.db.models import ChatSession, InvalidationEvent, Message, Tenant, TopicHistory
 from backend.domain import InvalidationReason, ReplicaErase, SessionStatus
+from backend.engine_client import control
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import CacheFootprint, ErasureResult, InvalidationResult
 from backend.services import cache_admin, context_store
@@ -105,11 +107,13 @@ class SessionSummary:
 
 
 async def summaries(db: AsyncSession, engine: EngineClient, tenant_id: str, q: SessionQuery) -> list[SessionSummary]:
-    """The sessions matching ``q``, each with its cache footprint: what the dashboard reads per refresh, in one call."""
-    return [
-        SessionSummary(s, None if s.status == SessionStatus.CLOSED.value else engine.session_footprint(s.id))
-        for s in await search_sessions(db, tenant_id, q)
-    ]
+    """The sessions matching ``q``, each with its cache footprint: what the dashboard reads per refresh, in one call
+    (the footprints asked for together: with a remote engine, each is a round trip)."""
+    found = await search_sessions(db, tenant_id, q)
+    live = [s for s in found if s.status != SessionStatus.CLOSED.value]
+    footprints = await asyncio.gather(*(control.session_footprint(engine, s.id) for s in live))
+    by_id = {s.id: f for s, f in zip(live, footprints, strict=True)}
+    return [SessionSummary(s, by_id.get(s.id)) for s in found]
 
 
 async def get_session(db: AsyncSession, tenant_id: str, session_id: str) -> ChatSession:
@@ -147,7 +151,7 @@ async def detail(db: AsyncSession, engine: EngineClient, tenant_id: str, session
         blocks,
         await context_store.topic_history(db, session_id),
         list(events.scalars()),
-        engine.session_footprint(session_id),
+        await control.session_footprint(engine, session_id),
     )
 
 

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from backend.core.metrics import Metrics, ReplySummary
 from backend.db.models import ChatSession, InvalidationEvent, TopicHistory, utcnow
+from backend.engine_client import control
 from backend.engine_client.protocol import EngineClient
 
 
@@ -59,8 +60,8 @@ class TenantStats:
     engine: EngineCapacity
 
 
-def engine_capacity(engine: EngineClient) -> EngineCapacity:
-    s = engine.stats()
+async def engine_capacity(engine: EngineClient) -> EngineCapacity:
+    s = await control.stats(engine)
     block_bytes = engine.info.block_size * engine.info.kv_bytes_per_token
     tiers = TierUsage(
         memory_bytes=(s.kv.num_used_blocks + s.kv.num_evictable_blocks) * block_bytes, disk_bytes=s.tiers.disk_bytes
@@ -86,7 +87,7 @@ async def tenant_stats(
         sessions_by_status={status: count for status, count in rows.all()},
         topic_shifts=events.topic_shifts,
         invalidations=events.invalidations,
-        engine=engine_capacity(engine),
+        engine=await engine_capacity(engine),
     )
 
 

@@ -33,13 +33,16 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from engine.errors import ModelLoadError
 from engine.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch  # NOTE: only where a conversion runs: a backend that reads a model's tokenizer and fingerprint
+    # (a remote engine's client) must not load torch (tests/backend/engine_client/test_no_torch.py)
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +142,7 @@ def check_folder(folder: Path) -> None:
     del spec  # parsed only to reject an unsupported architecture early
     files = weight_files(folder)
     for file in files:
-        with _open_safetensors(file):
+        with _open_safetensors(file, framework="numpy"):  # NOTE: the header only; "pt" would import torch
             pass
 
 
@@ -178,9 +181,9 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 @contextmanager
-def _open_safetensors(file: Path) -> Iterator[Any]:
+def _open_safetensors(file: Path, framework: str = "pt") -> Iterator[Any]:
     try:
-        handle = safe_open(str(file), framework="pt")
+        handle = safe_open(str(file), framework=framework)
     except Exception as exc:  # safetensors raises its own SafetensorError (not exported stably) and OSError
         raise ModelLoadError(f"cannot read weights file {file.name!r}: {exc}") from exc
     with handle as opened:
@@ -344,6 +347,7 @@ def _convert_into(gguf: Path, out: Path) -> None:
     # NOTE: we drive transformers' GGUF reader directly (load_gguf_checkpoint with a meta-device model for the tensor
     # name map) instead of AutoModelForCausalLM.from_pretrained(gguf_file=...): that path requires `accelerate`,
     # which is not a dependency, and it would also materialise a full model only to save it again.
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers import modeling_gguf_pytorch_utils as gguf_utils

@@ -73,7 +73,7 @@ class CacheSettingsIn(BaseModel):
 @router.get("/settings", response_model=CacheSettingsOut, responses=_OPERATOR)
 async def get_cache_settings(_: OperatorDep, state: StateDep) -> CacheSettingsOut:
     """The cache settings in force now."""
-    return CacheSettingsOut.of(cache_settings.current(state.engine))
+    return CacheSettingsOut.of(await cache_settings.current(state.engine))
 
 
 @router.patch(

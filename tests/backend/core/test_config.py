@@ -84,3 +84,13 @@ def test_with_both_cache_variables_the_new_one_wins(monkeypatch: pytest.MonkeyPa
     assert settings.deprecated_settings() == [
         "KVCHAT_MODEL_CACHE_DIR is deprecated and ignored: KVCHAT_CACHE_DIR is set and holds every cache"
     ]
+
+
+def test_the_engine_mode_follows_the_engine_url_unless_it_is_set(tmp_path: Path) -> None:
+    assert Settings().resolved_engine_mode == "inproc"
+    assert Settings(engine_url="http://router:8200").resolved_engine_mode == "remote"
+    process = Settings(engine_mode="process", data_dir=tmp_path)
+    assert process.resolved_engine_mode == "process"
+    assert process.resolved_engine_process_dir == tmp_path / "engine"
+    with pytest.raises(ValidationError, match="KVCHAT_ENGINE_MODE=remote needs KVCHAT_ENGINE_URL"):
+        Settings(engine_mode="remote")

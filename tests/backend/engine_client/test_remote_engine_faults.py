@@ -19,7 +19,7 @@ import pytest
 from backend.engine_client.remote import RemoteEngine
 from backend.engine_client.remote_errors import EngineMismatch, EngineProtocolError, EngineUnreachable
 from backend.engine_client.values import EngineBusy, RequestFinished, SamplingParams, TokenDelta
-from backend.engine_client.wire import to_json
+from backend.engine_client.wire import encode
 from engine.llm_engine import LLMEngine
 from support.server import free_port
 
@@ -124,7 +124,7 @@ class _Replica:
 
 @pytest.fixture(scope="module")
 def replica(tiny_engine: LLMEngine) -> Iterator[_Replica]:
-    info = {"engine": "kvchat", "model": "kvchat/tiny", "info": to_json(tiny_engine.info), "prompt_limit": 2048}
+    info = {"engine": "kvchat", "model": "kvchat/tiny", "info": encode(tiny_engine.info), "prompt_limit": 2048}
     fake = _Replica(info)
     yield fake
     fake.stop()

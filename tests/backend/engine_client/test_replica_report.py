@@ -23,7 +23,7 @@ from backend.engine_client.replica_report import (
     report_of,
 )
 from backend.engine_client.values import ErasureResult
-from backend.engine_client.wire import to_json
+from backend.engine_client.wire import encode
 from engine.llm_engine import LLMEngine
 from support.server import free_port
 from support.vllm_standin import VllmStandIn
@@ -132,7 +132,7 @@ async def test_a_vllm_without_dev_mode_cannot_reset_and_says_how_to_allow_it(
 async def test_an_erase_names_a_kvchat_replica_gone_since_the_start_and_erases_on_the_others(
     vllm: VllmStandIn, tiny_model_dir: Path, tiny_engine: LLMEngine
 ) -> None:
-    info = {"engine": "kvchat", "model": "kvchat/tiny", "info": to_json(tiny_engine.info), "prompt_limit": 2048}
+    info = {"engine": "kvchat", "model": "kvchat/tiny", "info": encode(tiny_engine.info), "prompt_limit": 2048}
     kvchat = VllmStandIn(str(tiny_model_dir), info=info)
     remote = RemoteEngine(vllm.url, [kvchat.url, vllm.url], model=str(tiny_model_dir), timeout_s=2.0)
     await remote.start()

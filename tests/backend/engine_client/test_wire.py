@@ -1,38 +1,33 @@
-"""The engine's values survive JSON both ways (``backend/engine_client/wire.py``), and errors keep their class."""
+"""The engine's values survive JSON both ways (``backend/engine_client/wire.py``, ``messages.py``), and errors keep
+their class."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from pydantic import ValidationError
 
+from backend.engine_client.messages import CompletionRequest, KvchatExtra
 from backend.engine_client.remote import _summed
 from backend.engine_client.values import (
     EngineBusy,
+    EngineStats,
     InvalidSamplingParamsError,
     PromptTooLongError,
     SamplingParams,
     StructuredOutput,
+    TokenLogprob,
+    TokenSpan,
 )
-from backend.engine_client.wire import (
-    WireError,
-    error_body,
-    error_from_body,
-    sampling_from_json,
-    sampling_to_json,
-    spans_from_json,
-    spans_to_json,
-    stats_from_json,
-    to_json,
-)
+from backend.engine_client.wire import WireError, decode, encode, error_body, error_from_body
 from engine.errors import RequestFailed
-from engine.kv.block_meta import TokenSpan
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import GrammarKind
 
 
 def _through_json(value: object) -> object:
-    return json.loads(json.dumps(to_json(value)))
+    return json.loads(json.dumps(encode(value)))
 
 
 def test_sampling_params_round_trip_exactly() -> None:
@@ -40,24 +35,38 @@ def test_sampling_params_round_trip_exactly() -> None:
         max_tokens=7, temperature=0.7, top_k=5, seed=3, stop=("END",), stop_token_ids=(2,),
         logit_bias=((4, -1.5),), logprobs=2, structured=StructuredOutput(GrammarKind.JSON_OBJECT),
     )  # fmt: skip
-    assert sampling_from_json(json.loads(json.dumps(sampling_to_json(params)))) == params
+    assert decode(SamplingParams, _through_json(params)) == params
 
 
 def test_bad_sampling_is_the_engines_error() -> None:
     with pytest.raises(InvalidSamplingParamsError):
-        sampling_from_json({"temperature": -1.0})
-    with pytest.raises(InvalidSamplingParamsError):
-        sampling_from_json({"structured": {"kind": "nope"}})
+        decode(SamplingParams, {"temperature": -1.0})
+    with pytest.raises(WireError, match="structured"):
+        decode(SamplingParams, {"structured": {"kind": "nope"}})
 
 
-def test_spans_round_trip() -> None:
+def test_a_completion_request_round_trips_with_its_extras() -> None:
     spans = (TokenSpan(0, 4, "policy", 1, None), TokenSpan(4, 9, "question", 2, 1))
-    assert spans_from_json(json.loads(json.dumps(spans_to_json(spans)))) == spans
+    params = SamplingParams(max_tokens=3, stop=("x",), logit_bias=((1, 2.0),))
+    sent = CompletionRequest(
+        prompt=[1, 2, 3], stream=True, kvchat=KvchatExtra(spans=spans, system_tokens=4, session="s", sampling=params)
+    )
+    read = CompletionRequest.model_validate_json(json.dumps(sent.model_dump(mode="json", exclude_none=True)))
+    assert read.kvchat is not None
+    assert read.kvchat.spans == spans and read.kvchat.sampling == params and read.kvchat.system_tokens == 4
+    with pytest.raises(ValidationError):
+        KvchatExtra.model_validate({"spans": [{"start": 5, "end": 1, "block_type": "x"}]})
+
+
+def test_logprobs_round_trip() -> None:
+    kind = tuple[TokenLogprob, ...]
+    logprobs = (TokenLogprob(3, -0.5, ((3, -0.5), (9, -1.25))),)
+    assert decode(kind, json.loads(json.dumps(encode(logprobs, kind)))) == logprobs
 
 
 def test_stats_round_trip_and_sum(tiny_engine: LLMEngine) -> None:
     stats = tiny_engine.stats()
-    decoded = stats_from_json(_through_json(stats))
+    decoded = decode(EngineStats, _through_json(stats))
     assert decoded == stats
     double = _summed([decoded, decoded])
     assert double.kv.num_blocks == 2 * stats.kv.num_blocks
@@ -66,12 +75,12 @@ def test_stats_round_trip_and_sum(tiny_engine: LLMEngine) -> None:
 
 
 def test_a_report_with_a_missing_field_is_a_wire_error(tiny_engine: LLMEngine) -> None:
-    data = to_json(tiny_engine.stats())
+    data = encode(tiny_engine.stats())
     del data["kv"]["num_blocks"]
+    with pytest.raises(WireError, match=r"kv\.num_blocks"):
+        decode(EngineStats, data)
     with pytest.raises(WireError):
-        stats_from_json(data)
-    with pytest.raises(WireError):
-        stats_from_json([1, 2])
+        decode(EngineStats, [1, 2])
 
 
 def test_errors_keep_their_class_and_details() -> None:

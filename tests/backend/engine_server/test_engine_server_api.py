@@ -92,7 +92,10 @@ async def test_stream_sends_token_ids_then_usage_then_done(http: httpx.AsyncClie
 
 
 async def test_spans_label_the_cached_blocks_by_type(http: httpx.AsyncClient) -> None:
-    spans = [[0, 32, "policy", 7, None], [32, 50, "question", 8, 7]]
+    spans = [
+        {"start": 0, "end": 32, "block_type": "policy", "block_id": 7},
+        {"start": 32, "end": 50, "block_type": "question", "block_id": 8, "parent_id": 7},
+    ]
     kvchat = {"spans": spans, "session": "typed-session"}
     await _complete(http, "ns-typed", kvchat=kvchat)
     second = await _complete(http, "ns-typed", kvchat=kvchat)
