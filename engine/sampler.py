@@ -170,6 +170,52 @@ class Sampler:
                 state.record(tokens[row])
         return [failed.get(row, token) for row, token in enumerate(tokens)]
 
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, state: SamplerState, drafts: Sequence[int]) -> list[int] | RowError:
+        """The tokens a request takes from one step that verified ``drafts`` after its last token: ``logits`` holds
+        ``len(drafts) + 1`` rows (row i predicts the token after draft i - 1). Returns the accepted drafts and one
+        more token (the model's own where the first draft failed, or after the last draft), or why it cannot.
+
+        Greedy: a draft is accepted while it is the row's argmax, so the tokens are the ones decoding without drafts
+        picks, bit for bit (the rows' logits are: paged_attention.build_plan). Sampled: standard speculative rejection
+        sampling for a point-mass proposal: draft t is accepted with probability p(t); on a rejection the token is
+        drawn from p with t removed (renormalised), which leaves every emitted token distributed as p. The draws come
+        from the request's own generator when it is seeded.
+
+        Only requests whose rows need nothing but the final choice verify drafts (``drafts_allowed``).
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(drafts) + 1:
+            raise ValueError(f"expected logits [{len(drafts) + 1}, vocab], got {tuple(logits.shape)}")
+        logits = logits.to(self.device)
+        failure = _non_finite_rows(logits) or self._hook_failures([state])
+        if failure:
+            return next(iter(failure.values()))
+        if state.params.greedy:
+            picked = _argmax(logits)
+            tokens = list(drafts[: _accepted_prefix(picked, drafts)])
+            tokens.append(picked[len(tokens)])
+        else:
+            with _one_thread():
+                tokens = self._rejection_sample(logits, state, drafts)
+        state.num_generated += len(tokens)
+        for token in tokens:
+            state.record(token)
+        return tokens
+
+    def _rejection_sample(self, logits: torch.Tensor, state: SamplerState, drafts: Sequence[int]) -> list[int]:
+        generator = state.generator if state.generator is not None else self._generator
+        tokens: list[int] = []
+        for row, draft in enumerate(drafts):
+            probs = _probs(logits[row], state.params)
+            if float(torch.rand((), generator=generator, device=probs.device)) < float(probs[draft]):
+                tokens.append(draft)
+                continue
+            probs[draft] = 0.0
+            tokens.append(int(torch.multinomial(probs, num_samples=1, generator=generator).item()))
+            return tokens
+        tokens.append(_draw(logits[len(drafts)], state.params, generator))
+        return tokens
+
     def _sample_rows(self, logits: torch.Tensor, states: list[SamplerState], failed: dict[int, RowError]) -> list[int]:
         """The batch argmax for plain greedy rows, each other row alone; a row that fails is recorded in ``failed``."""
         tokens = _argmax(logits)
@@ -256,10 +302,34 @@ def _argmax(logits: torch.Tensor) -> list[int]:
 
 def _draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One draw from a processed row: temperature, min_p, top-k, top-p, multinomial."""
+    return int(torch.multinomial(_probs(row, params), num_samples=1, generator=generator).item())
+
+
+def _probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a processed row is drawn from: temperature, min_p, top-k, top-p, softmax."""
     scaled = scale_by_temperature(row, params.temperature)
     filtered = top_p(top_k(min_p(scaled, params.min_p), params.top_k), params.top_p)
-    probs = torch.softmax(filtered, dim=-1)
-    return int(torch.multinomial(probs, num_samples=1, generator=generator).item())
+    return torch.softmax(filtered, dim=-1)
+
+
+def _accepted_prefix(picked: Sequence[int], drafts: Sequence[int]) -> int:
+    """How many leading drafts equal the picked tokens of their rows."""
+    n = 0
+    while n < len(drafts) and picked[n] == drafts[n]:
+        n += 1
+    return n
+
+
+def drafts_allowed(state: SamplerState) -> bool:
+    """Whether a request's next step may verify drafts: its rows need only the final choice (no grammar, penalty,
+    bias, min-tokens mask or logprobs, whose state would have to advance row by row inside the step).
+
+    NOTE: the simplest correct route: such requests decode one token a step, so a draft the grammar forbids is never
+    accepted, and penalties see every earlier token. Stop strings and stop tokens need nothing here: the engine
+    hands the accepted tokens over one by one and drops those after a stop.
+    """
+    p = state.params
+    return p.drafts and not p.changes_logits and p.logprobs is None and not state.masks_stop_tokens
 
 
 def _token_logprob(raw: torch.Tensor, token: int, k: int) -> TokenLogprob:
