@@ -29,7 +29,7 @@ from engine.openmp import release_thread_pool
 from engine.prompt_encoder import Prompt, PromptEncoder
 from engine.request_table import Request, RequestTable, Sink
 from engine.sampling_params import SamplingParams
-from engine.scheduler import DraftLimit, ScheduledSeq, Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence as Seq
 from engine.sequence import SequenceStatus
 
@@ -91,7 +91,8 @@ class EngineCore:
 
         chunk = config.long_prefill_chunk
         chunk = kernels.prefill_chunk(runner.dtype, runner.device.type) if chunk is None else chunk
-        drafter, draft_limit = _speculation(config, runner)
+        drafter = _speculation(config, runner)
+        draft_limit = drafter.cost.limit if drafter is not None and drafter.cost is not None else None
         scheduler = Scheduler(SchedulerConfig.from_engine_config(config, chunk), kv, draft_limit)
         cache = CacheControl(kv, info.fingerprint, config.cache_settings, lock, lambda: table.seqs())
         table = RequestTable(scheduler, cache, info.max_model_len)
@@ -233,6 +234,8 @@ class EngineCore:
         c.verify_steps += 1
         if self.drafter is not None:
             self.drafter.observe(seq.request_id, len(item.drafts), item.num_accepted)
+            if self.drafter.cost is not None:
+                self.drafter.cost.observe(len(item.drafts), item.num_accepted)
 
     def _propose_drafts(self, seqs: list[Seq]) -> None:
         """After a step (under the lock): end the drafting of requests that are gone, and give each request that
@@ -353,17 +356,18 @@ class EngineCore:
             self.table.fail_all(lambda: EngineError(INTERNAL_ERROR))
 
 
-def _speculation(config: EngineConfig, runner: ModelRunner) -> tuple[SuffixDrafter | None, DraftLimit | None]:
-    """The drafter and the cost model's per-step draft limit: none where drafts are off or cannot be made here."""
+def _speculation(config: EngineConfig, runner: ModelRunner) -> SuffixDrafter | None:
+    """The drafter with its live cost model (the scheduler's per-step draft limit): none where drafts are off or
+    cannot be made here."""
     from engine.spec import cost_model, suffix_drafts
 
     if not config.drafts or not suffix_drafts.available():
-        return None, None
+        return None
     model = cost_model.for_machine(runner.dtype, runner.device.type)
     if model is None:
-        return None, None
+        return None
     settings = suffix_drafts.DraftSettings(max_draft_tokens=model.max_draft_tokens)
-    return suffix_drafts.SuffixDrafter(settings), model.limit
+    return suffix_drafts.SuffixDrafter(settings, cost_model.LiveCostModel(model))
 
 
 def _batch_items(scheduled: list[ScheduledSeq]) -> list[BatchItem]:

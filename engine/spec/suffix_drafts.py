@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from engine.spec.cost_model import LiveCostModel
+
 try:  # NOTE: optional (the `spec` extra): it builds its C++ tree from the sdist. Without it the engine drafts nothing.
     from arctic_inference.suffix_decoding import SuffixDecodingCache  # type: ignore[import-not-found,unused-ignore]
 except ImportError:  # pragma: no cover - exercised where the extra is not installed
@@ -79,10 +81,11 @@ class _Active:
 class SuffixDrafter:
     """Per-request and per-tenant suffix trees; ``propose`` gives a request's draft for its next step."""
 
-    def __init__(self, settings: DraftSettings | None = None) -> None:
+    def __init__(self, settings: DraftSettings | None = None, cost: LiveCostModel | None = None) -> None:
         if SuffixDecodingCache is None:
             raise RuntimeError("suffix drafts need arctic-inference (pip install 'kvchat[spec]')")
         self.settings = settings or DraftSettings()
+        self.cost = cost  # when drafts pay (engine.spec.cost_model); the engine's scheduler asks its ``limit``
         self._tenants: OrderedDict[Hashable, SuffixDecodingCache] = OrderedDict()
         self._private = SuffixDecodingCache(self.settings.max_tree_depth, max_cached_requests=0)
         self._active: dict[str, _Active] = {}
