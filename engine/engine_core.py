@@ -259,8 +259,7 @@ class EngineCore:
             if not pays or not drafts_allowed(state):
                 continue
             if not drafter.is_active(rid):
-                private = not state.params.greedy and state.params.seed is not None
-                drafter.begin(rid, seq.root, seq.prompt_token_ids, session=seq.session, private=private)
+                drafter.begin(rid, seq.root, seq.prompt_token_ids, session=seq.session)
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.runner.max_model_len - seq.num_tokens) - 1
             seq.draft_token_ids = drafter.propose(rid, seq.output_token_ids, room)
         for rid in drafter.active:

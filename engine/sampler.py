@@ -184,8 +184,8 @@ class Sampler:
         picks, bit for bit (the rows' logits are: paged_attention.build_plan), and a draft the grammar forbids is
         never accepted. Sampled: standard speculative rejection sampling for a point-mass proposal: draft t is
         accepted with probability p(t) of the processed row; on a rejection the token is drawn from p with t removed
-        (renormalised), which leaves every emitted token distributed as p. The draws come from the request's own
-        generator when it is seeded.
+        (renormalised), which leaves every emitted token distributed as p. (The engine gives seeded requests no
+        drafts: ``drafts_allowed``.)
         """
         if logits.dim() != 2 or logits.shape[0] != len(drafts) + 1:
             raise ValueError(f"expected logits [{len(drafts) + 1}, vocab], got {tuple(logits.shape)}")
@@ -351,13 +351,17 @@ def _accepted_prefix(picked: Sequence[int], drafts: Sequence[int]) -> int:
 
 
 def drafts_allowed(state: SamplerState) -> bool:
-    """Whether a request's next step may verify drafts: unless it asked for none (``SamplingParams.drafts``).
+    """Whether a request's next step may verify drafts: unless it asked for none (``SamplingParams.drafts``), or it
+    samples with a seed.
 
-    NOTE: grammar, penalties, bias, min-tokens masking and logprobs need nothing more: ``Sampler.verify`` takes the
-    rows one by one with the state advanced by the drafts before each. Stop strings neither: the engine hands the
+    NOTE: a seeded request's tokens must not depend on its batch (see the module docstring), and whether a step
+    verifies drafts does (the cost model looks at the batch); verifying consumes other random draws than decoding.
+    Grammar, penalties, bias, min-tokens masking and logprobs need nothing more: ``Sampler.verify`` takes the rows
+    one by one with the state advanced by the drafts before each. Stop strings neither: the engine hands the
     accepted tokens over one by one and drops those after a stop.
     """
-    return state.params.drafts
+    p = state.params
+    return p.drafts and (p.greedy or p.seed is None)
 
 
 def _token_logprob(raw: torch.Tensor, token: int, k: int) -> TokenLogprob:

@@ -10,10 +10,6 @@ is never proposed to another (acceptance speed would be a timing channel between
 removes its replies from its tenant's tree. At most ``max_tenants`` trees are kept; the least recently used idle one
 is dropped first.
 
-Seeded sampled requests draft from their own tree only (``private``): the drafts, and so the random draws their
-verification consumes, are then a function of the prompt and the reply alone, and a seeded request gives the same
-text run to run, whatever other requests ran before. Their reply still joins the tenant's tree when they finish.
-
 The engine calls every method under its lock (the step thread and erasure both hold it).
 """
 
@@ -72,7 +68,6 @@ class _Active:
     key: int  # the tree's request key (ours, never the caller's id: ids may be reused)
     tenant: Hashable
     session: str | None
-    private: bool
     prompt: list[int]
     fed: int = 0  # reply tokens already in the trees
     length: DraftLength = field(default_factory=lambda: DraftLength(16))
@@ -87,7 +82,6 @@ class SuffixDrafter:
         self.settings = settings or DraftSettings()
         self.cost = cost  # when drafts pay (engine.spec.cost_model); the engine's scheduler asks its ``limit``
         self._tenants: OrderedDict[Hashable, SuffixDecodingCache] = OrderedDict()
-        self._private = SuffixDecodingCache(self.settings.max_tree_depth, max_cached_requests=0)
         self._active: dict[str, _Active] = {}
         self._cached: dict[tuple[Hashable, str | None], set[int]] = {}  # (tenant, session) -> reply keys kept
         self._keys = itertools.count()
@@ -96,24 +90,15 @@ class SuffixDrafter:
     def active(self) -> list[str]:
         return list(self._active)
 
-    def begin(
-        self,
-        request_id: str,
-        tenant: Hashable,
-        prompt: Sequence[int],
-        *,
-        session: str | None = None,
-        private: bool = False,
-    ) -> None:
+    def begin(self, request_id: str, tenant: Hashable, prompt: Sequence[int], *, session: str | None = None) -> None:
         """Start drafting for a request: its prompt goes into its own tree; its reply will go into its tenant's."""
         if request_id in self._active:
             raise ValueError(f"request {request_id!r} is already drafting")
-        state = _Active(next(self._keys), tenant, session, private, list(prompt))
+        state = _Active(next(self._keys), tenant, session, list(prompt))
         state.length = DraftLength(self.settings.max_draft_tokens)
-        self._cache_for(state).start_request(state.key, state.prompt)
+        self._tenant(tenant).start_request(state.key, state.prompt)
         self._active[request_id] = state
-        if not private:
-            self._cached.setdefault((tenant, session), set()).add(state.key)
+        self._cached.setdefault((tenant, session), set()).add(state.key)
 
     def is_active(self, request_id: str) -> bool:
         return request_id in self._active
@@ -122,7 +107,7 @@ class SuffixDrafter:
         """The draft (at most ``max_tokens`` tokens) that follows ``prompt + output``; ``output`` is the request's
         whole reply so far (what is new since the last call is added to the trees first)."""
         state = self._active[request_id]
-        cache = self._cache_for(state)
+        cache = self._tenant(state.tenant)
         if len(output) > state.fed:
             cache.add_active_response(state.key, list(output[state.fed :]))
             state.fed = len(output)
@@ -148,14 +133,10 @@ class SuffixDrafter:
         state = self._active.pop(request_id, None)
         if state is None:
             return
-        cache = self._cache_for(state)
-        if len(output) > state.fed and keep and not state.private:
+        cache = self._tenant(state.tenant)
+        if len(output) > state.fed and keep:
             cache.add_active_response(state.key, list(output[state.fed :]))
         cache.stop_request(state.key)
-        if state.private:
-            if keep and output:  # NOTE: replayed into the tenant's tree now that the reply is final
-                self._remember(state, output)
-            return
         if not keep:
             self._forget(state.tenant, state.session, state.key)
 
@@ -170,22 +151,11 @@ class SuffixDrafter:
                 gone += 1
         return gone
 
-    def _remember(self, state: _Active, output: Sequence[int]) -> None:
-        cache = self._tenant(state.tenant)
-        key = next(self._keys)
-        cache.start_request(key, state.prompt)
-        cache.add_active_response(key, list(output))
-        cache.stop_request(key)
-        self._cached.setdefault((state.tenant, state.session), set()).add(key)
-
     def _forget(self, tenant: Hashable, session: str | None, key: int) -> None:
         cache = self._tenants.get(tenant)
         if cache is not None and key in cache.cached_requests:
             cache.evict_cached_response(key)
         self._cached.get((tenant, session), set()).discard(key)
-
-    def _cache_for(self, state: _Active) -> SuffixDecodingCache:
-        return self._private if state.private else self._tenant(state.tenant)
 
     def _tenant(self, tenant: Hashable) -> SuffixDecodingCache:
         cache = self._tenants.get(tenant)
@@ -199,7 +169,7 @@ class SuffixDrafter:
 
     def _evict_tenants(self) -> None:
         """Drop the least recently used tenant trees beyond ``max_tenants`` that no active request drafts from."""
-        busy = {a.tenant for a in self._active.values() if not a.private}
+        busy = {a.tenant for a in self._active.values()}
         for tenant in list(self._tenants):
             if len(self._tenants) <= self.settings.max_tenants:
                 return

@@ -104,14 +104,19 @@ def test_rejected_drafts_give_their_blocks_back(tiny_model_dir: Path) -> None:
     assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_a_seeded_sampled_request_gives_the_same_text_with_drafts(tiny_model_dir: Path) -> None:
-    engine = engine_with(tiny_model_dir, True)
+def test_a_seeded_sampled_request_gives_the_tokens_it_gives_without_drafts(tiny_model_dir: Path) -> None:
+    """Seeded requests verify no drafts: their tokens must not depend on the batch, and drafting does."""
     params = SamplingParams(max_tokens=64, temperature=0.3, seed=7)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
-    first = engine.generate_sync([prompt], params, "t")[0]
-    engine.generate_sync([[*prompt[:9], 30, 31], [7, 8, 9] * 5], SamplingParams(max_tokens=40), "t")  # other history
-    again = engine.generate_sync([prompt], params, "t")[0]
-    assert again.token_ids == first.token_ids
+    engine = engine_with(tiny_model_dir, True)
+    drafted = engine.generate_sync([prompt], params, "t")[0]
+    assert drafted.token_ids == engine_with(tiny_model_dir, False).generate_sync([prompt], params, "t")[0].token_ids
+    assert engine.stats().drafted_tokens == 0
+
+
+def test_unseeded_sampled_requests_verify_drafts(tiny_model_dir: Path) -> None:
+    engine = engine_with(tiny_model_dir, True)
+    engine.generate_sync([[5, 6, 7, 8, 9, 10, 11, 12] * 4], SamplingParams(max_tokens=64, temperature=0.3), "t")
     assert engine.stats().accepted_tokens > 0
 
 

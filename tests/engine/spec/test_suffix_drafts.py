@@ -1,4 +1,4 @@
-"""The suffix drafter on integers: per-request drafts, the tenant's tree, isolation, erasure, private requests."""
+"""The suffix drafter on integers: per-request drafts, the tenant's tree, isolation, erasure, bounds."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ def finished_reply(drafter: SuffixDrafter, rid: str, tenant: str, session: str |
     drafter.end(rid, REPLY, keep=True)
 
 
-def draft_after_cue(drafter: SuffixDrafter, rid: str, tenant: str, private: bool = False) -> list[int]:
+def draft_after_cue(drafter: SuffixDrafter, rid: str, tenant: str) -> list[int]:
     """A new request of ``tenant`` whose prompt ends with the cue and the reply's first tokens."""
-    drafter.begin(rid, tenant, [9, 8, *CUE, *REPLY[:3]], private=private)
+    drafter.begin(rid, tenant, [9, 8, *CUE, *REPLY[:3]])
     return drafter.propose(rid, [], 8)
 
 
@@ -65,15 +65,6 @@ def test_erasing_a_session_removes_its_replies_only() -> None:
     finished_reply(drafter, "a3", "tenant-a", session="s2")
     assert drafter.erase_session("tenant-a", "s1") == 0
     assert draft_after_cue(drafter, "a4", "tenant-a")  # s2's reply is still there
-
-
-def test_a_private_request_drafts_from_its_own_tree_only_but_its_reply_is_kept() -> None:
-    drafter = SuffixDrafter()
-    finished_reply(drafter, "a1", "tenant-a")
-    assert draft_after_cue(drafter, "p1", "tenant-a", private=True) == []
-    drafter.end("p1", [70, 71, 72], keep=True)
-    drafter.begin("a2", "tenant-a", [5, 6, 70])
-    assert drafter.propose("a2", [], 8) == [71]
 
 
 def test_the_oldest_idle_tenant_tree_goes_beyond_the_bound() -> None:
