@@ -169,7 +169,7 @@ def test_a_draft_the_grammar_forbids_is_never_accepted(tiny_model_dir: Path) -> 
     engine = engine_with(tiny_model_dir, True)
     sampler, tokenizer = engine.core.sampler, engine.tokenizer.hf
     state = sampler.new_state(SamplingParams(structured=StructuredOutput(GrammarKind.JSON_OBJECT)), (2,))
-    brace, letter = tokenizer.convert_tokens_to_ids(["{", "a"])
+    brace, letter = (tokenizer.get_vocab()[t] for t in ("{", "a"))
     logits = torch.zeros(2, engine.info.vocab_size)
     logits[0, letter] = 50.0  # the model "wants" the draft, but no JSON object starts with a letter
     logits[0, brace] = 10.0
