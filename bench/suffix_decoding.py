@@ -238,7 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_kv_memory_mb=2048))
     info = engine.load()
-    command = "flock /tmp/kvchat-bench.lock " + reproduce_command("bench.suffix_decoding", list(argv or []))
+    given = sys.argv[1:] if argv is None else list(argv)
+    command = "flock /tmp/kvchat-bench.lock " + reproduce_command("bench.suffix_decoding", given)
     payload: dict[str, Any] = {"name": "suffix_decoding", "command": command, "machine": machine_info(dtype=info.dtype)}
     if args.cost:
         table = cost_table(engine, 1024, [1, 2, 4, 8, 16], [0, 2, 4, 8, 16])
