@@ -44,7 +44,13 @@ from engine.outputs import GenerationEvent, RequestFinished, TokenDelta
 from engine.sampling_params import SamplingParams
 
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "suffix_decoding.json"
-CHAT_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "repetition_penalty": 1.2}  # backend.core.config's reply_*
+REPLY = "chat"
+# --reply: the chat's default reply settings (backend.core.config's reply_*), or plain greedy (what the vLLM
+# figures used: 128-token greedy replies)
+REPLY_SETTINGS: dict[str, dict[str, Any]] = {
+    "chat": {"temperature": 0.0, "repetition_penalty": 1.2},
+    "greedy": {"temperature": 0.0},
+}
 
 
 @dataclass(slots=True)
@@ -99,7 +105,7 @@ def run_turns(engine: LLMEngine, turns: list[tuple[list[dict[str, str]], bool, s
     replies = []
     before = engine.stats()
     for messages, drafts, namespace in turns:
-        params = SamplingParams(max_tokens=max_tokens, drafts=drafts, **CHAT_DEFAULTS)
+        params = SamplingParams(max_tokens=max_tokens, drafts=drafts, **REPLY_SETTINGS[REPLY])
         reply = Reply(time.perf_counter())
         engine.submit(messages, params, namespace, reply)
         replies.append(reply)
@@ -232,9 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--offset", type=int, default=0, help="the first held-out conversation")
     p.add_argument("--policy-chars", type=int, default=DEFAULT_POLICY_CHARS)
+    p.add_argument("--reply", choices=list(REPLY_SETTINGS), default="chat", help="the reply settings")
     p.add_argument("--cost", action="store_true", help="measure the cost model's table instead")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
+    global REPLY
+    REPLY = args.reply
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_kv_memory_mb=2048))
     info = engine.load()
@@ -264,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     payload |= {"model": args.model, "max_tokens": args.max_tokens, "turns": args.turns, "one_session": one}
     payload |= {"sessions": args.sessions, "many_sessions": many}
-    print(f"wrote {write_json(args.out, payload)}", file=sys.stderr)
+    out = args.out if args.out != DEFAULT_OUT or REPLY == "chat" else args.out.with_name(f"suffix_decoding_{REPLY}.json")
+    print(f"wrote {write_json(out, payload)}", file=sys.stderr)
     return 0
 
 
