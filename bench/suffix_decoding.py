@@ -265,15 +265,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     heads = ["drafts", "tokens", "decode tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT ms", "full reply s"]
     heads += ["drafted", "accepted", "acceptance", "accepted/verify step"]
     print(format_table(heads, rows))
-    many = many_sessions(engine, system, convs[: args.sessions], args.max_tokens, args.turns)
-    print(
-        format_table(
-            ["drafts", "tok/s", "TTFT p50 ms", "TTFT mean ms"], [[n, *many[n].values()] for n in ("off", "on")]
-        )
-    )
-    payload |= {"model": args.model, "max_tokens": args.max_tokens, "turns": args.turns, "one_session": one}
-    payload |= {"sessions": args.sessions, "many_sessions": many}
-    out = args.out if args.out != DEFAULT_OUT or REPLY == "chat" else args.out.with_name(f"suffix_decoding_{REPLY}.json")
+    payload |= {"model": args.model, "reply": REPLY_SETTINGS[REPLY], "max_tokens": args.max_tokens}
+    payload |= {"turns": args.turns, "one_session": one}
+    if args.sessions:
+        many = many_sessions(engine, system, convs[: args.sessions], args.max_tokens, args.turns)
+        rows = [[n, *many[n].values()] for n in ("off", "on")]
+        print(format_table(["drafts", "tok/s", "TTFT p50 ms", "TTFT mean ms"], rows))
+        payload |= {"sessions": args.sessions, "many_sessions": many}
+    named = args.out.with_name(f"suffix_decoding_{REPLY}.json")
+    out = args.out if args.out != DEFAULT_OUT or REPLY == "chat" else named
     print(f"wrote {write_json(out, payload)}", file=sys.stderr)
     return 0
 
