@@ -239,13 +239,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--offset", type=int, default=0, help="the first held-out conversation")
     p.add_argument("--policy-chars", type=int, default=DEFAULT_POLICY_CHARS)
     p.add_argument("--reply", choices=list(REPLY_SETTINGS), default="chat", help="the reply settings")
+    p.add_argument("--one-chunk", action="store_true", help="prefill every prompt in one chunk")
     p.add_argument("--cost", action="store_true", help="measure the cost model's table instead")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     global REPLY
     REPLY = args.reply
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_kv_memory_mb=2048))
+    # --one-chunk: every prompt prefilled in one chunk, so drafts cannot move prefill chunk boundaries (in bf16 those
+    # change a row's bits: docs/benchmarks.md, "Suffix decoding")
+    chunking: dict[str, Any] = {"max_num_batched_tokens": 32768, "long_prefill_chunk": 0} if args.one_chunk else {}
+    config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_kv_memory_mb=2048, **chunking)
+    engine = LLMEngine(config)
     info = engine.load()
     given = sys.argv[1:] if argv is None else list(argv)
     command = "flock /tmp/kvchat-bench.lock " + reproduce_command("bench.suffix_decoding", given)
@@ -260,17 +265,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     system = system_prompt(0, render_policy(load_guidelines(GUIDELINES), 0, 0, args.policy_chars))
     convs = conversations(max(args.conversations, args.sessions), args.offset)
-    one = one_session(engine, system, convs[: args.conversations], args.max_tokens, args.turns)
-    rows = [[name, *(round(v, 2) for k, v in one[name].items() if k != "replies")] for name in ("off", "on")]
-    heads = ["drafts", "tokens", "decode tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT ms", "full reply s"]
-    heads += ["drafted", "accepted", "acceptance", "accepted/verify step"]
-    print(format_table(heads, rows))
     payload |= {"model": args.model, "reply": REPLY_SETTINGS[REPLY], "max_tokens": args.max_tokens}
-    payload |= {"turns": args.turns, "one_session": one}
+    payload |= {"turns": args.turns, "one_chunk": args.one_chunk}
+    if args.conversations:
+        one = one_session(engine, system, convs[: args.conversations], args.max_tokens, args.turns)
+        rows = [[name, *(round(v, 2) for k, v in one[name].items() if k != "replies")] for name in ("off", "on")]
+        heads = ["drafts", "tokens", "decode tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT ms", "full reply s"]
+        heads += ["drafted", "accepted", "acceptance", "accepted/verify step"]
+        print(format_table(heads, rows))
+        payload |= {"one_session": one}
     if args.sessions:
         many = many_sessions(engine, system, convs[: args.sessions], args.max_tokens, args.turns)
         rows = [[n, *many[n].values()] for n in ("off", "on")]
         print(format_table(["drafts", "tok/s", "TTFT p50 ms", "TTFT mean ms"], rows))
+        print(f"greedy replies that differ off vs on: {many['greedy_mismatches']}")
         payload |= {"sessions": args.sessions, "many_sessions": many}
     named = args.out.with_name(f"suffix_decoding_{REPLY}.json")
     out = args.out if args.out != DEFAULT_OUT or REPLY == "chat" else named
