@@ -16,6 +16,8 @@ the on turns alone feed their tenant's draft tree. Greedy outputs are identical 
   length per verify step and the tokens per step.
 * **16 sessions**: 16 conversations at once, all sessions' turn k submitted together (a batch-synchronous replay):
   throughput (completion tokens / wall time of the round) and TTFT, off rounds and on rounds alternating.
+* ``--one-chunk``: every prompt prefilled in one chunk (drafts then cannot move bf16 prefill chunk boundaries);
+  ``--reply greedy``: plain greedy instead of the chat's defaults; ``--conversations 0`` / ``--sessions 0`` skip a part.
 * ``--cost``: the step time of B decoding sequences (1k-token contexts) each verifying k drafts, against B (the
   figures behind ``engine/spec/cost_model.py``).
 
