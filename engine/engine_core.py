@@ -31,12 +31,14 @@ from engine.request_table import Request, RequestTable, Sink
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence as Seq
+from engine.sequence import SequenceStatus
 
 if TYPE_CHECKING:
     import torch
 
     from engine.model_runner import BatchItem, ModelRunner
     from engine.sampler import Sampler
+    from engine.spec.suffix_drafts import SuffixDrafter
 
 log = logging.getLogger("kvchat.engine")
 Submission = tuple[Prompt, SamplingParams, str, Sink]  # prompt, params, namespace, sink
@@ -58,6 +60,7 @@ class EngineCore:
         table: RequestTable,
         lock: threading.Lock,
         wakeup: threading.Event,
+        drafter: SuffixDrafter | None = None,
     ) -> None:
         self.runner = runner
         self.encoder = encoder
@@ -69,6 +72,7 @@ class EngineCore:
         self._lock = lock
         self._wakeup = wakeup
         self._block_size = kv.block_size
+        self.drafter = drafter  # suffix drafts (engine.spec); None: every decode step computes one token
 
     @classmethod
     def build(
@@ -87,12 +91,14 @@ class EngineCore:
 
         chunk = config.long_prefill_chunk
         chunk = kernels.prefill_chunk(runner.dtype, runner.device.type) if chunk is None else chunk
-        scheduler = Scheduler(SchedulerConfig.from_engine_config(config, chunk), kv)
+        drafter = _speculation(config, runner)
+        draft_limit = drafter.cost.limit if drafter is not None and drafter.cost is not None else None
+        scheduler = Scheduler(SchedulerConfig.from_engine_config(config, chunk), kv, draft_limit)
         cache = CacheControl(kv, info.fingerprint, config.cache_settings, lock, lambda: table.seqs())
         table = RequestTable(scheduler, cache, info.max_model_len)
         grammar = GrammarCompiler(tokenizer.hf, info.vocab_size, tokenizer.eos_token_ids)
         sampler = Sampler(runner.device, vocab_size=info.vocab_size, grammar=grammar)
-        return cls(runner, encoder, sampler, kv, scheduler, cache, table, lock, wakeup)
+        return cls(runner, encoder, sampler, kv, scheduler, cache, table, lock, wakeup, drafter)
 
     def prepare(
         self, submission: Submission, rid: str, session: str | None, share: FairShare = DEFAULT_SHARE
@@ -167,22 +173,98 @@ class EngineCore:
             return False
         computed, logits, failed = self._forward_isolated(out.scheduled)
         sampled = [s for s in computed if s.need_logits]
-        outcomes = self.sampler.sample(logits, [self.table[s.seq.request_id].sampler_state for s in sampled])
-        tokens: list[tuple[Seq, int]] = []
-        for item, outcome in zip(sampled, outcomes, strict=True):
-            if isinstance(outcome, int):
-                tokens.append((item.seq, outcome))
-            else:
-                failed.append((item, outcome.reason))
+        tokens = self._sample(sampled, logits, failed)
         now = time.monotonic()
         with self._lock:
             for item, reason in failed:  # NOTE: before update_after_step, so none of their blocks is published
                 self._fail_scheduled(item, reason)
+            for item, picked in tokens:
+                item.num_accepted = len(picked) - 1 if item.drafts else 0
             self.scheduler.update_after_step(out)
             self.table.counters.steps += 1
-            for seq, token in tokens:
-                self._on_token_isolated(seq, token, now)
+            for item, picked in tokens:
+                self._count_drafts(item)
+                for token in picked:  # NOTE: one by one: a stop (token, string, length) drops the tokens after it
+                    if item.seq.is_finished or item.seq.request_id not in self.table:
+                        break
+                    self._on_token_isolated(item.seq, token, now)
+            self._propose_drafts([item.seq for item, _ in tokens])
         return True
+
+    def _sample(
+        self, sampled: list[ScheduledSeq], logits: torch.Tensor, failed: list[tuple[ScheduledSeq, str]]
+    ) -> list[tuple[ScheduledSeq, list[int]]]:
+        """Each sampled item's tokens: one from its row, or, for an item that verified drafts, the accepted drafts and
+        one more (``Sampler.verify``); an item whose rows cannot be sampled goes to ``failed``."""
+        import torch
+
+        plain = [s for s in sampled if not s.drafts]
+        rows: dict[int, tuple[int, int]] = {}  # id(item) -> its logits rows
+        at = 0
+        for s in sampled:
+            rows[id(s)] = (at, at + 1 + len(s.drafts))
+            at += 1 + len(s.drafts)
+        plain_logits = logits
+        if len(plain) != len(sampled):
+            plain_logits = logits.index_select(0, torch.tensor([rows[id(s)][0] for s in plain], dtype=torch.long))
+        states = [self.table[s.seq.request_id].sampler_state for s in plain]
+        outcomes = dict(zip(map(id, plain), self.sampler.sample(plain_logits, states), strict=True))
+        out: list[tuple[ScheduledSeq, list[int]]] = []
+        for s in sampled:
+            if s.drafts:
+                lo, hi = rows[id(s)]
+                result = self.sampler.verify(logits[lo:hi], self.table[s.seq.request_id].sampler_state, s.drafts)
+            else:
+                one = outcomes[id(s)]
+                result = [one] if isinstance(one, int) else one
+            if isinstance(result, list):
+                out.append((s, result))
+            else:
+                failed.append((s, result.reason))
+        return out
+
+    def _count_drafts(self, item: ScheduledSeq) -> None:
+        if not item.drafts:
+            return
+        seq, c = item.seq, self.table.counters
+        seq.num_drafted_tokens += len(item.drafts)
+        seq.num_accepted_tokens += item.num_accepted
+        c.drafted_tokens += len(item.drafts)
+        c.accepted_tokens += item.num_accepted
+        c.verify_steps += 1
+        if self.drafter is not None:
+            self.drafter.observe(seq.request_id, len(item.drafts), item.num_accepted)
+            if self.drafter.cost is not None:
+                self.drafter.cost.observe(len(item.drafts), item.num_accepted)
+
+    def _propose_drafts(self, seqs: list[Seq]) -> None:
+        """After a step (under the lock): end the drafting of requests that are gone, and give each request that
+        sampled this step the draft its next step verifies (none where the cost model allows none now)."""
+        from engine.sampler import drafts_allowed
+
+        drafter = self.drafter
+        if drafter is None:
+            return
+        limit = self.scheduler.draft_limit
+        pays = limit is not None and limit(self.scheduler.num_running) > 0
+        for seq in seqs:
+            seq.draft_token_ids = []
+            rid = seq.request_id
+            if seq.is_finished or rid not in self.table:
+                if drafter.is_active(rid):
+                    keep = seq.status is not SequenceStatus.FINISHED_ABORTED
+                    drafter.end(rid, seq.output_token_ids, keep=keep)
+                continue
+            state = self.table[rid].sampler_state
+            if not pays or not drafts_allowed(state):
+                continue
+            if not drafter.is_active(rid):
+                drafter.begin(rid, seq.root, seq.prompt_token_ids, session=seq.session)
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.runner.max_model_len - seq.num_tokens) - 1
+            seq.draft_token_ids = drafter.propose(rid, seq.output_token_ids, room)
+        for rid in drafter.active:
+            if rid not in self.table:  # aborted or failed since: its reply leaves the tenant's tree
+                drafter.end(rid, (), keep=False)
 
     def _forward_isolated(
         self, scheduled: list[ScheduledSeq]
@@ -240,6 +322,13 @@ class EngineCore:
             log.exception("request %s failed after its token was sampled", seq.request_id)
             self.table.fail(seq.request_id, RequestFailed(INTERNAL_ERROR), cause=exc)
 
+    def erase_drafts(self, session: str, namespace: str) -> int:
+        """Remove ``session``'s replies from its tenant's draft tree (erasure); returns how many went."""
+        if self.drafter is None:
+            return 0
+        with self._lock:
+            return self.drafter.erase_session(self.cache.root(namespace), session)
+
     def stats(self) -> EngineStats:
         with self._lock:
             c = self.table.counters
@@ -254,6 +343,9 @@ class EngineCore:
                 steps=c.steps,
                 cache=self.kv.cache_stats(),
                 tiers=self.cache.tier_stats(),
+                drafted_tokens=c.drafted_tokens,
+                accepted_tokens=c.accepted_tokens,
+                verify_steps=c.verify_steps,
             )
 
     def fail_in_flight(self) -> None:
@@ -261,6 +353,20 @@ class EngineCore:
         its blocks, so the engine can serve on."""
         with self._lock:
             self.table.fail_all(lambda: EngineError(INTERNAL_ERROR))
+
+
+def _speculation(config: EngineConfig, runner: ModelRunner) -> SuffixDrafter | None:
+    """The drafter with its live cost model (the scheduler's per-step draft limit): none where drafts are off or
+    cannot be made here."""
+    from engine.spec import cost_model, suffix_drafts
+
+    if not config.drafts or not suffix_drafts.available():
+        return None
+    model = cost_model.for_machine(runner.dtype, runner.device.type)
+    if model is None:
+        return None
+    settings = suffix_drafts.DraftSettings(max_draft_tokens=model.max_draft_tokens)
+    return suffix_drafts.SuffixDrafter(settings, cost_model.LiveCostModel(model))
 
 
 def _batch_items(scheduled: list[ScheduledSeq]) -> list[BatchItem]:
@@ -275,6 +381,7 @@ def _batch_items(scheduled: list[ScheduledSeq]) -> list[BatchItem]:
             prompt=s.start_pos + s.num_new_tokens <= s.seq.num_prompt_tokens,
             request_id=s.seq.request_id,
             logprob_targets=s.seq.logprob_targets(s.start_pos, s.start_pos + s.num_new_tokens),
+            verify=bool(s.drafts),
         )
         for s in scheduled
     ]

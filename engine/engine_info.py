@@ -59,3 +59,7 @@ class EngineStats:
     steps: int
     cache: CacheStats  # prefix-cache hits by block type, reuse depth, efficiency, invalidations by reason
     tiers: TierStats  # memory and disk tier occupancy, promotions, demotions, refused writes
+    # Suffix drafts (engine.spec): tokens verified as drafts, those accepted, and the steps that verified some
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0

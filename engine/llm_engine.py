@@ -357,8 +357,11 @@ class LLMEngine:
         return self.core.cache.release_session(session)
 
     def erase_session(self, session: str, namespace: str) -> ErasureResult:
-        """Erasure: remove the session's blocks from every tier (a shared prefix another session wants stays)."""
-        return self.core.cache.erase_session(session, namespace)
+        """Erasure: remove the session's blocks from every tier (a shared prefix another session wants stays), and
+        its replies from its tenant's draft tree (engine.spec)."""
+        result = self.core.cache.erase_session(session, namespace)
+        self.core.erase_drafts(session, namespace)
+        return result
 
     def session_footprint(self, session: str) -> CacheFootprint:
         """The blocks of ``session``'s recorded chain that are cached right now (shared ones included)."""

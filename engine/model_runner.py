@@ -37,6 +37,9 @@ class BatchItem:
     # ``prompt_logprobs[i]`` with log p(logprob_targets[i] | every token up to and including token_ids[i]).
     logprob_targets: list[int] | None = None
     prompt_logprobs: list[float] | None = None
+    # A decode token followed by draft tokens (engine.spec): every row needs logits, and each row is attended as a
+    # decode row of its own (paged_attention.build_plan), so it gets the bits its token would get decoded alone.
+    verify: bool = False
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
@@ -150,7 +153,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, items: list[BatchItem]) -> torch.Tensor:
-        """Float32 logits ``[n_items_with_need_logits, vocab]`` for the last token of each such item, in order."""
+        """Float32 logits for the last token of each item that needs logits, and for every token of a ``verify``
+        item, in batch order: ``[rows, vocab]``."""
         if not items:
             return torch.empty((0, self.vocab_size), dtype=torch.float32)
         ids: list[int] = []
@@ -160,13 +164,16 @@ class ModelRunner:
             self._check(item)
             ids.extend(item.token_ids)
             positions.extend(range(item.start_pos, item.start_pos + len(item.token_ids)))
-            if item.need_logits:
+            if item.verify:
+                logit_rows.extend(range(len(ids) - len(item.token_ids), len(ids)))
+            elif item.need_logits:
                 logit_rows.append(len(ids) - 1)
         plan = build_plan(
             [(it.start_pos, len(it.token_ids), it.block_table) for it in items],
             self.block_size,
             self.device,
             [it.prompt for it in items],
+            [it.verify for it in items] if any(it.verify for it in items) else None,
         )
         rows = None if len(logit_rows) == len(ids) else torch.tensor(logit_rows, device=self.device)
         if not logit_rows:

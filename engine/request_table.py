@@ -52,6 +52,9 @@ class Counters:
     cached_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    drafted_tokens: int = 0  # suffix drafts verified (engine.spec)
+    accepted_tokens: int = 0
+    verify_steps: int = 0
 
 
 class RequestTable:

@@ -170,6 +170,75 @@ class Sampler:
                 state.record(tokens[row])
         return [failed.get(row, token) for row, token in enumerate(tokens)]
 
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, state: SamplerState, drafts: Sequence[int]) -> list[int] | RowError:
+        """The tokens a request takes from one step that verified ``drafts`` after its last token: ``logits`` holds
+        ``len(drafts) + 1`` rows (row i predicts the token after draft i - 1). Returns the accepted drafts and one
+        more token (the model's own where the first draft failed, or after the last draft; none after a stop token),
+        or why the rows cannot be sampled.
+
+        The rows are taken in order, each exactly as decoding would take it with the drafts before it as the reply so
+        far: its logits processed with the state as it stands (grammar mask, bias, min-tokens mask, penalties over
+        the history that includes the accepted drafts), then the choice, which is recorded before the next row. Greedy:
+        a draft is accepted when it is the processed row's argmax, so the tokens are the ones decoding without drafts
+        picks, bit for bit (the rows' logits are: paged_attention.build_plan), and a draft the grammar forbids is
+        never accepted. Sampled: standard speculative rejection sampling for a point-mass proposal: draft t is
+        accepted with probability p(t) of the processed row; on a rejection the token is drawn from p with t removed
+        (renormalised), which leaves every emitted token distributed as p. (The engine gives seeded requests no
+        drafts: ``drafts_allowed``.)
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(drafts) + 1:
+            raise ValueError(f"expected logits [{len(drafts) + 1}, vocab], got {tuple(logits.shape)}")
+        logits = logits.to(self.device)
+        failure = _non_finite_rows(logits) or self._hook_failures([state])
+        if failure:
+            return next(iter(failure.values()))
+        if state.is_plain_greedy:  # NOTE: the fast path: one argmax call over the rows
+            picked = _argmax(logits)
+            tokens = list(drafts[: _accepted_prefix(picked, drafts)])
+            tokens.append(picked[len(tokens)])
+            for token in tokens:
+                state.num_generated += 1
+                state.record(token)
+            return tokens
+        try:
+            with _one_thread():
+                return self._verify_rows(logits, state, drafts)
+        except _RowFailure as exc:
+            return RowError(str(exc))
+        except Exception as exc:  # noqa: BLE001 - one bad row must not fail the batch
+            return RowError(f"sampling raised {type(exc).__name__}: {exc}")
+
+    def _verify_rows(self, logits: torch.Tensor, state: SamplerState, drafts: Sequence[int]) -> list[int]:
+        generator = state.generator if state.generator is not None else self._generator
+        tokens: list[int] = []
+        for at in range(len(drafts) + 1):
+            draft = drafts[at] if at < len(drafts) else None
+            token, accepted = self._verify_row(logits[at], state, draft, generator)
+            if state.params.logprobs is not None:
+                state.logprobs.append(_token_logprob(logits[at], token, state.params.logprobs))
+            tokens.append(token)
+            state.num_generated += 1
+            state.record(token)
+            if not accepted or state.is_stop_token(token):
+                break
+        return tokens
+
+    def _verify_row(
+        self, raw: torch.Tensor, state: SamplerState, draft: int | None, generator: torch.Generator
+    ) -> tuple[int, bool]:
+        """One verified row: (its token, whether it is the draft)."""
+        row = self._processed(raw, state)
+        if state.params.greedy:
+            token = _argmax(row[None])[0]
+            return token, token == draft
+        probs = _probs(row, state.params)
+        if draft is not None:
+            if float(torch.rand((), generator=generator, device=probs.device)) < float(probs[draft]):
+                return draft, True
+            probs[draft] = 0.0
+        return int(torch.multinomial(probs, num_samples=1, generator=generator).item()), False
+
     def _sample_rows(self, logits: torch.Tensor, states: list[SamplerState], failed: dict[int, RowError]) -> list[int]:
         """The batch argmax for plain greedy rows, each other row alone; a row that fails is recorded in ``failed``."""
         tokens = _argmax(logits)
@@ -193,6 +262,16 @@ class Sampler:
         state and generator, never on the batch size or its position in the batch.
         """
         params = state.params
+        row = self._processed(raw, state)
+        if params.greedy:
+            return _argmax(row[None])[0]
+        generator = state.generator if state.generator is not None else self._generator
+        return _draw(row, params, generator)
+
+    def _processed(self, raw: torch.Tensor, state: SamplerState) -> torch.Tensor:
+        """The row as the choice sees it: grammar mask, logit bias, min-tokens mask, penalties (on a copy, when any
+        applies). Raises ``_RowFailure`` when nothing is left to choose."""
+        params = state.params
         row = raw
         if params.changes_logits or state.masks_stop_tokens:
             row = raw.clone()
@@ -208,10 +287,7 @@ class Sampler:
                 apply_penalties(row, state.history, params)
             if not bool(torch.isfinite(row.max())):
                 raise _RowFailure("the sampling parameters left no finite logit")
-        if params.greedy:
-            return _argmax(row[None])[0]
-        generator = state.generator if state.generator is not None else self._generator
-        return _draw(row, params, generator)
+        return row
 
     def _hook_failures(self, states: list[SamplerState]) -> dict[int, RowError]:
         if self.fault_hook is None:
@@ -256,10 +332,36 @@ def _argmax(logits: torch.Tensor) -> list[int]:
 
 def _draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One draw from a processed row: temperature, min_p, top-k, top-p, multinomial."""
+    return int(torch.multinomial(_probs(row, params), num_samples=1, generator=generator).item())
+
+
+def _probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a processed row is drawn from: temperature, min_p, top-k, top-p, softmax."""
     scaled = scale_by_temperature(row, params.temperature)
     filtered = top_p(top_k(min_p(scaled, params.min_p), params.top_k), params.top_p)
-    probs = torch.softmax(filtered, dim=-1)
-    return int(torch.multinomial(probs, num_samples=1, generator=generator).item())
+    return torch.softmax(filtered, dim=-1)
+
+
+def _accepted_prefix(picked: Sequence[int], drafts: Sequence[int]) -> int:
+    """How many leading drafts equal the picked tokens of their rows."""
+    n = 0
+    while n < len(drafts) and picked[n] == drafts[n]:
+        n += 1
+    return n
+
+
+def drafts_allowed(state: SamplerState) -> bool:
+    """Whether a request's next step may verify drafts: unless it asked for none (``SamplingParams.drafts``), or it
+    samples with a seed.
+
+    NOTE: a seeded request's tokens must not depend on its batch (see the module docstring), and whether a step
+    verifies drafts does (the cost model looks at the batch); verifying consumes other random draws than decoding.
+    Grammar, penalties, bias, min-tokens masking and logprobs need nothing more: ``Sampler.verify`` takes the rows
+    one by one with the state advanced by the drafts before each. Stop strings neither: the engine hands the
+    accepted tokens over one by one and drops those after a stop.
+    """
+    p = state.params
+    return p.drafts and (p.greedy or p.seed is None)
 
 
 def _token_logprob(raw: torch.Tensor, token: int, k: int) -> TokenLogprob:

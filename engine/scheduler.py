@@ -2,7 +2,8 @@
 
 One ``schedule()`` call plans one model step:
 
-1. running sequences that decode (one token each), oldest admission first;
+1. running sequences that decode (one token each, plus the draft tokens the cost model lets it verify: engine.spec),
+   oldest admission first;
 2. running sequences still prefilling (a chunk each), within the step's token budget;
 3. waiting sequences, fairly by tenant (below), while the budget, ``max_num_seqs`` and the pool allow.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -84,10 +86,15 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens computed this step: positions start_pos .. start_pos + num_new_tokens - 1
     block_table: list[int]  # covers start_pos + num_new_tokens tokens
     need_logits: bool  # the chunk reaches the sequence's last token, so the engine samples from its logits
+    # Draft tokens verified after the sequence's last token (the last num_new_tokens - 1 tokens of the step; every
+    # row needs logits). The engine sets ``num_accepted`` before ``update_after_step``.
+    drafts: tuple[int, ...] = ()
+    num_accepted: int = 0
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_slice(self.start_pos, self.start_pos + self.num_new_tokens)
+        base = self.seq.token_slice(self.start_pos, self.start_pos + self.num_new_tokens - len(self.drafts))
+        return base + list(self.drafts) if self.drafts else base
 
 
 @dataclass(slots=True)
@@ -115,12 +122,17 @@ class _Step:
     rejected: list[Sequence] = field(default_factory=list)
 
 
+DraftLimit = Callable[[int], int]  # decode sequences in the step -> the most draft tokens each may verify (0: none)
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, draft_limit: DraftLimit | None = None) -> None:
         if config.block_size != kv.block_size:
             raise ValueError(f"scheduler block_size {config.block_size} != KV cache block_size {kv.block_size}")
         self.config = config
         self.kv = kv
+        # NOTE: the cost model (engine.spec.cost_model) decides per step; None: drafts are never verified.
+        self.draft_limit = draft_limit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self._seqs: dict[str, Sequence] = {}
@@ -202,11 +214,15 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            end = item.start_pos + item.num_new_tokens
+            rejected = len(item.drafts) - item.num_accepted
+            end = item.start_pos + item.num_new_tokens - rejected
             seq.num_computed_tokens = end
             seq.num_prefilled_tokens += max(0, min(end, seq.num_prompt_tokens) - item.start_pos)
             if end // self.config.block_size > item.start_pos // self.config.block_size:  # a block became full
-                self.kv.cache_full_blocks(seq.request_id, seq.root, seq.all_token_ids, end, owner=seq.session)
+                tokens = seq.all_token_ids + list(item.drafts[: item.num_accepted])
+                self.kv.cache_full_blocks(seq.request_id, seq.root, tokens, end, owner=seq.session)
+            if rejected:  # NOTE: the rejected drafts' slots: the chain is unchanged, blocks past the next token go
+                self.kv.truncate(seq.request_id, end + 1)
 
     def _next_waiting(self) -> Sequence | None:
         """The waiting sequence to admit next: smallest tenant counter; inside the tenant, a preempted sequence first
@@ -252,6 +268,7 @@ class Scheduler:
         seqs = list(self.running)
         if not decodes:
             seqs.sort(key=lambda seq: self.fair.rank(seq.share, seq.fair_session))
+        per_seq = self._drafts_per_seq() if decodes else 0
         for seq in seqs:
             if step.budget <= 0:
                 return
@@ -261,8 +278,30 @@ class Scheduler:
             if (remaining == 1) != decodes:
                 continue
             num_new = min(remaining, step.budget, self._chunk_cap())
-            if self._reserve(seq, num_new, step):
+            drafts = self._drafts(seq, per_seq, step) if decodes else ()
+            if drafts:
+                self._plan(seq, 1 + len(drafts), step, drafts)
+            elif self._reserve(seq, num_new, step):
                 self._plan(seq, num_new, step)
+
+    def _drafts_per_seq(self) -> int:
+        """The most draft tokens each decoding sequence may verify this step (the cost model's word)."""
+        if self.draft_limit is None:
+            return 0
+        decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+        return self.draft_limit(decoding)
+
+    def _drafts(self, seq: Sequence, per_seq: int, step: _Step) -> tuple[int, ...]:
+        """The drafts ``seq`` verifies this step, their slots allocated; none when the budget or the pool is short.
+
+        NOTE: drafts never preempt anyone: when their blocks are not free, the sequence decodes one token as usual.
+        """
+        k = min(len(seq.draft_token_ids), per_seq, step.budget - 1)
+        if k <= 0:
+            return ()
+        if not self.kv.allocate_slots(seq.request_id, seq.num_computed_tokens + 1 + k):
+            return ()
+        return tuple(seq.draft_token_ids[:k])
 
     def _reserve(self, seq: Sequence, num_new: int, step: _Step) -> bool:
         """Allocate slots for ``seq``, preempting the newest running sequences as needed. False if ``seq`` lost."""
@@ -311,10 +350,11 @@ class Scheduler:
         alone = len(self.running) + len(self.waiting) <= 1
         return self.config.max_num_batched_tokens if alone or cap == 0 else cap
 
-    def _plan(self, seq: Sequence, num_new: int, step: _Step) -> None:
+    def _plan(self, seq: Sequence, num_new: int, step: _Step, drafts: tuple[int, ...] = ()) -> None:
         start = seq.num_computed_tokens
         table = self.kv.block_table(seq.request_id)
-        step.scheduled[seq.request_id] = ScheduledSeq(seq, start, num_new, table, start + num_new == seq.num_tokens)
+        need_logits = start + num_new - len(drafts) == seq.num_tokens
+        step.scheduled[seq.request_id] = ScheduledSeq(seq, start, num_new, table, need_logits, drafts)
         step.budget -= num_new
         # NOTE: billed when planned, not after the step: the next pick of this same step must see it.
         self.fair.charge(seq.share, seq.fair_session, num_new)

@@ -57,6 +57,11 @@ class Sequence:
     promoted: frozenset[BlockHash] = frozenset()
     num_disk_cached_tokens: int = 0  # of num_cached_tokens, those promoted from disk for this request
     share: FairShare = DEFAULT_SHARE  # the tenant it is charged to (engine.fair_share); one shared one by default
+    # Suffix drafts (engine.spec): the tokens proposed to follow its last token, verified in its next decode step;
+    # and how many were verified / accepted over the request.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

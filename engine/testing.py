@@ -386,10 +386,12 @@ class Faults:
                 raise InjectedFault(f"injected forward failure for request {item.request_id}")
             if item.prompt and self.forward_tokens.intersection(item.token_ids):
                 raise InjectedFault(f"injected forward failure on a poisoned token of request {item.request_id}")
-        rows = [item.request_id for item in items if item.need_logits]
-        for row, request_id in enumerate(rows):
-            if request_id in self.nan_logits:
-                logits[row] = float("nan")
+        row = 0
+        for item in items:
+            n = len(item.token_ids) if item.verify else int(item.need_logits)  # (a verify item: a row per token)
+            if n and item.request_id in self.nan_logits:
+                logits[row : row + n] = float("nan")
+            row += n
 
     def _write_nan_kv(self, item: BatchItem) -> None:
         assert self._runner is not None

@@ -70,6 +70,13 @@ class Settings(BaseSettings):
     engine_device: str = Field(default="auto", description="`cpu`, `cuda` or `auto`")
     engine_dtype: str = Field(default="auto", description="`auto`: bf16 where the CPU supports it, else fp32")
     max_kv_memory_mb: int = Field(default=512, ge=1, description="size of the paged KV pool (MiB)")
+    engine_drafts: bool = Field(
+        default=False,
+        description="suffix drafts (issue 44), verified exactly: the engine drafts a reply's next tokens from the "
+        "tenant's earlier replies and keeps those the model would have written; needs the `spec` extra "
+        "(arctic-inference). Off by default: with the chat's repetition penalty they gained nothing here "
+        "(docs/benchmarks.md). When on, a `/v1` request can still turn them off (`drafts: false`)",
+    )
     engine_quantization: Literal["int8"] | None = Field(
         default=None,
         description="`int8`: weight-only int8 on CPU (slightly different outputs; faster only with AVX-512 int8)",
@@ -288,6 +295,7 @@ class Settings(BaseSettings):
             dtype=self.engine_dtype,
             max_kv_memory_mb=self.max_kv_memory_mb,
             quantization=self.engine_quantization,
+            drafts=self.engine_drafts,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_waiting=self.max_waiting,

@@ -53,6 +53,11 @@ class EngineCollector(Collector):
         yield _counter("kvchat:generation_tokens", "Tokens generated.", s.generated_tokens)
         yield _counter("kvchat:request_success", "Requests finished.", s.requests_finished)
         yield _counter("kvchat:engine_steps", "Engine steps (one batch each).", s.steps)
+        # suffix decoding (engine/spec): acceptance rate = accepted / draft tokens; tokens per verify step =
+        # (accepted + verify steps) / verify steps
+        yield _counter("kvchat:spec_decode_draft_tokens", "Draft tokens verified.", s.drafted_tokens)
+        yield _counter("kvchat:spec_decode_accepted_tokens", "Draft tokens accepted.", s.accepted_tokens)
+        yield _counter("kvchat:spec_decode_verify_steps", "Request steps that verified drafts.", s.verify_steps)
         yield from _by_block_type(s.cache)
 
 

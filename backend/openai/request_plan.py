@@ -123,6 +123,7 @@ def sampling_params(req: s.ChatCompletionRequest, plan: RequestPlan, prompt_toke
         logit_bias=logit_bias(req.logit_bias or {}, None),
         logprobs=plan.top_logprobs,
         structured=plan.grammar,
+        drafts=req.drafts,
     )
 
 

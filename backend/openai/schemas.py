@@ -158,6 +158,9 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
+    # kvchat's extension: suffix drafts (engine/spec) for this request; they never change the output (greedy tokens
+    # are identical, sampled ones keep the model's distribution), so only a caller measuring the engine turns them off
+    drafts: bool = True
 
 
 class PromptTokensDetails(BaseModel):

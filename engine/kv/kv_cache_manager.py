@@ -218,6 +218,23 @@ class KVCacheManager:
         # most likely shared by the next request (system prompt, earlier turns).
         self.pool.free_blocks(reversed(state.blocks))
 
+    def truncate(self, request_id: str, num_tokens: int) -> int:
+        """Free the request's blocks past the ``blocks_needed(num_tokens)`` first ones; returns how many went.
+
+        NOTE: for the slots of rejected draft tokens (engine.spec): the chain before them is unchanged, and the blocks
+        that go were never hashed (only computed, accepted tokens are published), tail first like ``free``.
+        """
+        state = self._requests.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if state is None or len(state.blocks) <= keep:
+            return 0
+        if len(state.hashes) > keep:
+            raise ValueError(f"request {request_id!r}: cannot truncate below its {len(state.hashes)} published blocks")
+        extra = state.blocks[keep:]
+        del state.blocks[keep:]
+        self.pool.free_blocks(reversed(extra))
+        return len(extra)
+
     def cached_chain(self, root: BlockHash, token_ids: Sequence[int]) -> list[BlockHash]:
         """Chain hashes of the full blocks of ``token_ids`` that are cached right now with exactly these tokens.
 

@@ -99,29 +99,41 @@ def build_plan(
     block_size: int,
     device: torch.device,
     prompt: list[bool] | None = None,
+    verify: list[bool] | None = None,
 ) -> AttentionPlan:
     """``items`` = ``(start_pos, num_new_tokens, block_table)`` per sequence, in batch order. ``prompt[i]``: item i's
     tokens are prompt tokens. A lone prompt token (the last one, recomputed after a full prefix-cache hit) is attended
     as a one-row prefill chunk, not as a decode row: where the prefill kernel runs, a row then gets the same bits as in
-    the cold run's longer chunk (the decode kernel sums in another order: ~4e-5 apart in SmolLM2's fp32 logits)."""
+    the cold run's longer chunk (the decode kernel sums in another order: ~4e-5 apart in SmolLM2's fp32 logits).
+
+    ``verify[i]``: item i is a decode token followed by draft tokens (engine.spec). Each of its rows is attended as a
+    decode row of its own (over the positions up to and including it), for the same reason: a draft row then gets the
+    bits the token would get decoded alone, so accepting it changes no later token."""
     slots: list[int] = []
     prefills: list[PrefillSpan] = []
     decode_rows: list[int] = []
     decode_items: list[tuple[int, list[int]]] = []
+    decoding: set[int] = set()  # the items with decode rows
     row = 0
     for i, (start_pos, n, table) in enumerate(items):
         slots.extend(_slots(table, start_pos, n, block_size))
         kv_len = start_pos + n
         used = table[: (kv_len + block_size - 1) // block_size]
-        if n == 1 and not (prompt is not None and prompt[i]):
+        if verify is not None and verify[i]:
+            for j in range(n):
+                decode_rows.append(row + j)
+                decode_items.append((start_pos + j + 1, table[: (start_pos + j + block_size) // block_size]))
+            decoding.add(i)
+        elif n == 1 and not (prompt is not None and prompt[i]):
             decode_rows.append(row)
             decode_items.append((kv_len, used))
+            decoding.add(i)
         else:
             prefills.append(PrefillSpan(row, n, start_pos, _blocks(used, device), _prefix_mask(start_pos, n, device)))
         row += n
     plan = AttentionPlan(row, torch.tensor(slots, dtype=torch.long, device=device), block_size, prefills)
     if decode_items:
-        plan.decode = _decode_group(decode_rows, decode_items, row, block_size, device)
+        plan.decode = _decode_group(decode_rows, decode_items, row, block_size, device, len(decoding) == 1)
     plan.use_flash = flash_attn_with_kvcache is not None and device.type == "cuda" and block_size % 256 == 0
     return plan
 
@@ -146,7 +158,12 @@ def _prefix_mask(start_pos: int, n: int, device: torch.device) -> torch.Tensor |
 
 
 def _decode_group(
-    rows: list[int], items: list[tuple[int, list[int]]], num_tokens: int, bs: int, device: torch.device
+    rows: list[int],
+    items: list[tuple[int, list[int]]],
+    num_tokens: int,
+    bs: int,
+    device: torch.device,
+    one_sequence: bool,
 ) -> DecodeGroup:
     max_blocks = max(len(b) for _, b in items)
     kv_lens = [n for n, _ in items]
@@ -167,14 +184,16 @@ def _decode_group(
         seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
         kv_lens=torch.tensor(kv_lens, dtype=torch.long, device=device),
         block_table=table.to(torch.int32),
-        runs=_runs(items),
+        runs=_runs(items, one_sequence),
     )
 
 
-def _runs(items: list[tuple[int, list[int]]]) -> list[tuple[slice, int]] | None:
-    # NOTE: only for a lone decode row. With many rows one padded SDPA call beats a loop of per-sequence calls even
-    # counting the gather copy (SmolLM2, 16 rows x 2k context, bf16: ~220 vs ~250 ms/step).
-    if len(items) != 1:
+def _runs(items: list[tuple[int, list[int]]], one_sequence: bool) -> list[tuple[slice, int]] | None:
+    # NOTE: only for the rows of one sequence (a lone decode row, or one decode row and its drafts: they then take
+    # the lone row's attention, gather or not, so a draft row gets the bits its token gets decoded alone). With many
+    # sequences one padded SDPA call beats a loop of per-sequence calls even counting the gather copy (SmolLM2, 16
+    # rows x 2k context, bf16: ~220 vs ~250 ms/step).
+    if not one_sequence:
         return None
     runs = []
     for kv_len, blocks in items:

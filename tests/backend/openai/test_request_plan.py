@@ -61,9 +61,11 @@ def test_every_sampling_parameter_reaches_the_engine() -> None:
         logit_bias={"7": 5, "3": -100},
         logprobs=True,
         top_logprobs=4,
+        drafts=False,
     )
     p = sampling_params(req, plan(req, ToolFamily.HERMES, VOCAB), prompt_tokens=4, limit=LIMIT)
     assert (p.max_tokens, p.top_k, p.min_tokens, p.ignore_eos, p.stop, p.seed) == (7, 0, 3, True, ("END",), 9)
+    assert p.drafts is False
     assert (p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.1, 0.5, -0.5, 1.2)
     assert p.logit_bias == ((7, 5.0), (3, -100.0))
     assert p.logprobs == 4

@@ -403,3 +403,22 @@ def test_evict_cached_with_prefix_caching_disabled_is_a_no_op() -> None:
     assert kv.cached_chain(ROOT, ALICE) == []
     assert kv.evict_cached(hash_chain(ROOT, ALICE, BS)) == 0
     assert kv.pool.free_block_ids() == [3, 2, 1, 0]
+
+
+def test_truncate_frees_the_draft_blocks_tail_first_and_keeps_the_chain() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    run_prompt(kv, "a", toks(20))  # block 0 published, block 1 partly filled
+    assert kv.allocate_slots("a", 20 + 1 + 30)  # the next token and 30 drafts: blocks 2 and 3 too
+    assert kv.block_table("a") == [0, 1, 2, 3]
+    assert kv.truncate("a", 23) == 2  # 2 drafts accepted: 22 tokens computed, the next token is the 23rd
+    assert kv.block_table("a") == [0, 1]
+    assert kv.pool.free_block_ids()[-2:] == [3, 2]  # tail first, as free() does
+    assert kv.truncate("a", 23) == 0
+
+
+def test_truncate_never_goes_below_the_published_blocks() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    run_prompt(kv, "a", toks(40))
+    with pytest.raises(ValueError, match="published blocks"):
+        kv.truncate("a", 10)
+    assert kv.block_table("a") == [0, 1, 2]

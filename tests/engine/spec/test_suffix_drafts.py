@@ -1,0 +1,93 @@
+"""The suffix drafter on integers: per-request drafts, the tenant's tree, isolation, erasure, bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.spec import suffix_drafts
+from engine.spec.suffix_drafts import DraftLength, DraftSettings, SuffixDrafter
+
+pytestmark = pytest.mark.skipif(not suffix_drafts.available(), reason="needs the spec extra (arctic-inference)")
+
+REPLY = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59]  # a reply a tenant gave before
+CUE = [40, 41, 42, 43]  # what preceded it
+
+
+def finished_reply(drafter: SuffixDrafter, rid: str, tenant: str, session: str | None = None) -> None:
+    drafter.begin(rid, tenant, [1, 2, *CUE], session=session)
+    drafter.end(rid, REPLY, keep=True)
+
+
+def draft_after_cue(drafter: SuffixDrafter, rid: str, tenant: str) -> list[int]:
+    """A new request of ``tenant`` whose prompt ends with the cue and the reply's first tokens."""
+    drafter.begin(rid, tenant, [9, 8, *CUE, *REPLY[:3]])
+    return drafter.propose(rid, [], 8)
+
+
+def test_the_request_drafts_from_its_own_prompt() -> None:
+    drafter = SuffixDrafter()
+    drafter.begin("r", "t", [7, 1, 2, 3, 4, 5, 6, 9, 9, 1, 2, 3])
+    assert drafter.propose("r", [], 8) == [4, 5, 6]  # the match [1, 2, 3] continues with 4, 5, 6 (factor 1.0)
+
+
+def test_a_tenant_gets_drafts_from_its_own_recent_replies() -> None:
+    drafter = SuffixDrafter()
+    finished_reply(drafter, "a1", "tenant-a")
+    draft = draft_after_cue(drafter, "a2", "tenant-a")
+    assert draft and draft == REPLY[3 : 3 + len(draft)]
+
+
+def test_another_tenant_never_gets_them() -> None:
+    drafter = SuffixDrafter()
+    finished_reply(drafter, "a1", "tenant-a")
+    assert draft_after_cue(drafter, "b1", "tenant-b") == []
+
+
+def test_the_reply_so_far_feeds_the_request_tree() -> None:
+    drafter = SuffixDrafter()
+    drafter.begin("r", "t", [1, 2])
+    assert drafter.propose("r", [30, 31, 32, 33, 30, 31], 8) == [32, 33]
+
+
+def test_an_aborted_reply_leaves_the_tenant_tree() -> None:
+    drafter = SuffixDrafter()
+    drafter.begin("a1", "tenant-a", [1, 2, *CUE])
+    drafter.propose("a1", REPLY, 4)  # (the reply so far is in the tenant's tree while the request runs)
+    drafter.end("a1", REPLY, keep=False)
+    assert draft_after_cue(drafter, "a2", "tenant-a") == []
+
+
+def test_erasing_a_session_removes_its_replies_only() -> None:
+    drafter = SuffixDrafter()
+    finished_reply(drafter, "a1", "tenant-a", session="s1")
+    assert drafter.erase_session("tenant-a", "s1") == 1
+    assert draft_after_cue(drafter, "a2", "tenant-a") == []
+    finished_reply(drafter, "a3", "tenant-a", session="s2")
+    assert drafter.erase_session("tenant-a", "s1") == 0
+    assert draft_after_cue(drafter, "a4", "tenant-a")  # s2's reply is still there
+
+
+def test_the_oldest_idle_tenant_tree_goes_beyond_the_bound() -> None:
+    drafter = SuffixDrafter(DraftSettings(max_tenants=2))
+    for tenant in ("t1", "t2", "t3"):
+        finished_reply(drafter, f"{tenant}-r", tenant)
+    assert draft_after_cue(drafter, "x1", "t1") == []  # t1's tree was dropped (least recently used)
+    assert draft_after_cue(drafter, "x3", "t3")
+
+
+def test_the_draft_length_follows_the_acceptance() -> None:
+    length = DraftLength(16)
+    assert length.limit() == 16
+    for _ in range(10):
+        length.observe(8, 0)
+    assert length.limit() == 4
+    for _ in range(10):
+        length.observe(8, 8)
+    assert length.limit() == 16
+
+
+def test_a_request_cannot_begin_twice() -> None:
+    drafter = SuffixDrafter()
+    drafter.begin("r", "t", [1])
+    with pytest.raises(ValueError, match="already drafting"):
+        drafter.begin("r", "t", [1])
