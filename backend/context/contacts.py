@@ -82,11 +82,15 @@ def find_contacts(text: str, start: int = 0) -> list[Contact]:
     """Every contact in ``text`` from ``start`` on (the characters before it still count as what precedes), in
     order, not overlapping."""
     found: list[Contact] = []
-    for m in _FINDER.finditer(text, start):
+    pos = start
+    while (m := _FINDER.search(text, pos)) is not None:
+        pos = m.end()
         kind = m.lastgroup
         if kind == "phone":
             if _is_phone(m.group()):
                 found.append(Contact(ContactKind.PHONE, m.start(), m.end(), m.group()))
+            else:  # NOTE: a number too short (or a date) must not hide what starts inside it: "0 0.com"
+                pos = m.start() + 1
         elif kind == "email":
             found.append(Contact(ContactKind.EMAIL, m.start(), m.end(), m.group()))
         else:

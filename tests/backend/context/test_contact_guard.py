@@ -3,7 +3,7 @@ and that the output does not depend on how the reply was split into deltas."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from backend.context.contact_guard import PLACEHOLDERS, ContactGuard, guarded
@@ -98,6 +98,7 @@ _ALPHABET = st.sampled_from([*"ab .,-:/@+()0123459wmoc\n", "www.", "https://", "
 _TEXTS = st.lists(_ALPHABET, max_size=40).map("".join)
 
 
+@example(pieces=["0 0.com", " "])  # (a number too short to be a phone once hid the host that starts inside it)
 @settings(max_examples=300, deadline=None)
 @given(pieces=st.lists(_TEXTS, max_size=8))
 def test_output_is_the_same_however_the_text_is_split(pieces: list[str]) -> None:
