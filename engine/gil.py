@@ -3,8 +3,8 @@
 The forward pass releases the GIL inside each torch op and takes it back before the next one: a SmolLM2 step is a
 few hundred such hand-backs. When another thread runs Python meanwhile (the server's event loop under a flood of
 streams, the CPU offload workers), each hand-back waits until that thread is asked to drop the GIL: CPython asks
-after ``sys.getswitchinterval()`` (5 ms by default). Measured on the AMX Xeon (2 cores; /tmp probe in
-docs/benchmarks.md, issue 42): a 32-row decode step took 25 ms alone and 878 ms beside one pure-Python thread at
+after ``sys.getswitchinterval()`` (5 ms by default). Measured on the AMX Xeon (2 cores;
+``bench/gil_stall.py``): a 32-row decode step took 25 ms alone and 878 ms beside one pure-Python thread at
 5 ms, 256 ms at 0.5 ms. So one tenant's flood of requests slowed every tenant's tokens, whatever the scheduler did.
 
 NOTE: only ever lowered, never raised (a caller that set a shorter one knows better), and process-wide: the price is
