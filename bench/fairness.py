@@ -67,6 +67,7 @@ class Config:
     reply_tokens: int = 32
     seqs: int = 32
     waiting: int = 256
+    latency_only: bool = False  # only B's three TTFT phases (no splits, no lone throughput)
 
 
 @dataclass(slots=True)
@@ -171,7 +172,8 @@ async def steady_b(ws: Any, config: Config, tag: str) -> dict[str, Any]:
     """B's turns, one every ``b_period_s`` (or as soon as the previous one is done, when it took longer): its TTFT
     as the client sees it, and as the engine reports it (``usage.ttft_ms``: from the engine's arrival on; the rest
     is the backend's part)."""
-    ttft, engine_ttft = Latencies(), Latencies()
+    ttft, engine_ttft, turns = Latencies(), Latencies(), list[dict[str, Any]]()
+    t0 = time.perf_counter()
     for n in range(config.b_turns):
         started = time.perf_counter()
         first, usage = await turn(ws, f"Hello, is my order {n} on its way?", f"b-{tag}-{n}")
@@ -179,8 +181,18 @@ async def steady_b(ws: Any, config: Config, tag: str) -> dict[str, Any]:
             ttft.values.append(first)
         if usage is not None:
             engine_ttft.values.append(float(usage["ttft_ms"]) / 1000)
+        turns.append(turn_record(started - t0, first, usage))
         await asyncio.sleep(max(0.0, config.b_period_s - (time.perf_counter() - started)))
-    return {"b_ttft": ttft.summary(), "b_engine_ttft": engine_ttft.summary()}
+    return {"b_ttft": ttft.summary(), "b_engine_ttft": engine_ttft.summary(), "b_turns": turns}
+
+
+def turn_record(at_s: float, first: float | None, usage: dict[str, Any] | None) -> dict[str, Any]:
+    """One of B's turns: ``engine_s`` from the engine's arrival to its first token (queue + steps), ``backend_s`` the
+    rest of the client's TTFT (edge, context, tokenizing, the event loop and the socket, both ways)."""
+    engine = float(usage["ttft_ms"]) / 1000 if usage is not None else None
+    backend = None if first is None or engine is None else first - engine
+    prompt = None if usage is None else (usage["prompt_tokens"], usage["prefilled_tokens"])
+    return {"at_s": round(at_s, 3), "ttft_s": first, "engine_s": engine, "backend_s": backend, "prompt": prompt}
 
 
 async def closed_loop(
@@ -339,6 +351,8 @@ async def run_phases(server: Server, config: Config) -> dict[str, Any]:
             ("b_beside_streams", lambda: b_beside_streams(server, config, b)),
             ("split_equal", lambda: backlog(server, config, {"A": CHAT_TOKEN, "B": b_token})),
         ):
+            if config.latency_only and name == "split_equal":
+                return {"phases": phases, "rss_mib": rss.samples, "phase_starts_s": marks}
             marks.append((name, time.perf_counter() - t0))
             before = await engine_queue(server, ids)
             phases[name] = await phase()
@@ -384,13 +398,18 @@ def table(report: dict[str, Any]) -> str:
             f"{label:<34}{_ms(s['p50']):>8}{_ms(s['p99']):>8}{s['n']:>5}{'-' if ratio is None else f'{ratio:.1f}x':>13}"
             f"{_ms(e['p50']):>12}{_ms(e['p99']):>12}"
         )
+    for key in ("b_alone", "b_beside_sessions", "b_beside_streams"):
+        turns = p[key].get("b_turns", [])
+        cells = [f"{_ms(t['ttft_s'])}={_ms(t['engine_s'])}+{_ms(t['backend_s'])}" for t in turns]
+        if cells:
+            lines.append(f"  {key} per turn, client = engine + backend (ms): {' '.join(cells)}")
     for key in ("split_equal", "split_weighted"):
         if key in p:
             a, b = p[key]["A"], p[key]["B"]
             ratio = a["tokens"] / b["tokens"] if b["tokens"] else float("inf")
             lines.append(f"{key}: A {a['tokens']} tokens, B {b['tokens']} tokens, A/B = {ratio:.2f}")
-    lone = p["lone"]["A"]
-    lines.append(f"lone A: {lone['tokens_per_s']:.1f} served tokens/s ({lone['completion']} completion tokens)")
+    if lone := p.get("lone", {}).get("A"):
+        lines.append(f"lone A: {lone['tokens_per_s']:.1f} served tokens/s ({lone['completion']} completion tokens)")
     return "\n".join(lines)
 
 
@@ -436,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backlog-s", type=float, default=30.0)
     p.add_argument("--reply-tokens", type=int, default=32)
     p.add_argument("--seqs", type=int, default=32, help="KVCHAT_MAX_NUM_SEQS: the engine's running slots")
+    p.add_argument("--latency-only", action="store_true", help="only B's TTFT phases (alone, beside the floods)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the JSON result (the PNG goes next to it)")
     return p
 
@@ -454,6 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.backlog_s,
         args.reply_tokens,
         args.seqs,
+        latency_only=args.latency_only,
     )
     with tempfile.TemporaryDirectory(prefix="kvchat-fairness-") as tmp, running_server(config, Path(tmp)) as server:
         report = asyncio.run(run_phases(server, config))

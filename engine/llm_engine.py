@@ -30,6 +30,7 @@ from engine.engine_core import EngineCore, Submission
 from engine.engine_info import EngineInfo, EngineStats
 from engine.errors import EngineError, EngineStopped, InvalidRequestError
 from engine.fair_share import DEFAULT_SHARE, FairShare
+from engine.gil import shorten_switch_interval
 from engine.kv.block_hash import BlockHash
 from engine.kv.cache_control import ErasureResult, PinResult
 from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult
@@ -91,11 +92,13 @@ class LLMEngine:
         release_thread_pool()  # loading ran parallel regions on this thread (engine/openmp.py)
 
     async def start(self) -> EngineInfo:
-        """Start the step loop thread; it loads the model first (see ``engine.openmp`` for why on that thread).
+        """Start the step loop thread; it loads the model first (see ``engine.openmp`` for why on that thread), and
+        shorten the GIL switch interval (``engine.gil``: else a busy event loop slows every step by tens of times).
 
         Concurrent calls share one load; cancelling a caller does not cancel the load (a later call picks it up).
         """
         if self._loaded is None:
+            shorten_switch_interval()  # NOTE: the loop thread shares the GIL with the caller's threads (engine.gil)
             self._loaded = concurrent.futures.Future()
             self._stopping = threading.Event()  # NOTE: one per loop thread, so a stop() never races a new start()
             self._thread = threading.Thread(
