@@ -95,9 +95,9 @@ class FreedMemoryReleaser:
             if now >= due:
                 break
             await asyncio.sleep(due - now)
-        self._last_release = time.monotonic()
         self.releases += 1
         await asyncio.to_thread(self._release)
+        self._last_release = time.monotonic()  # NOTE: the interval counts from the end (a thread starts late)
 
     async def stop(self) -> None:
         if self._task is not None:
