@@ -251,7 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # --one-chunk: every prompt prefilled in one chunk, so drafts cannot move prefill chunk boundaries (in bf16 those
     # change a row's bits: docs/benchmarks.md, "Suffix decoding")
     chunking: dict[str, Any] = {"max_num_batched_tokens": 32768, "long_prefill_chunk": 0} if args.one_chunk else {}
-    config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_kv_memory_mb=2048, **chunking)
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, device="cpu", max_kv_memory_mb=2048, drafts=True, **chunking
+    )
     engine = LLMEngine(config)
     info = engine.load()
     given = sys.argv[1:] if argv is None else list(argv)
