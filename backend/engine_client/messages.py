@@ -13,13 +13,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.engine_client.values import EngineInfo, SamplingParams, TokenSpan
+from backend.engine_client.values import EngineInfo, FairShare, SamplingParams, TokenSpan
 
 
 class KvchatExtra(BaseModel):
     """What kvchat's backend sends beyond OpenAI: the segment spans of a token-id prompt and how many of its tokens are
     the system message(s), the session (its blocks are recorded for invalidation and erasure), and the exact sampling
-    parameters (checked by ``SamplingParams`` itself: a bad one is the engine's ``InvalidSamplingParamsError``)."""
+    parameters (checked by ``SamplingParams`` itself: a bad one is the engine's ``InvalidSamplingParamsError``), and the
+    tenant's fair share."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -27,6 +28,9 @@ class KvchatExtra(BaseModel):
     system_tokens: int = Field(default=0, ge=0)
     session: str | None = None
     sampling: SamplingParams | None = None
+    # NOTE: the tenant the engine's fair scheduler charges (engine.fair_share); without it, every request of the
+    # backend would be one tenant's in an engine process or replica, first come first served
+    share: FairShare | None = None
 
 
 class StreamOptions(BaseModel):

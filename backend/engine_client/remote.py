@@ -336,8 +336,8 @@ class RemoteEngine:
     ) -> AsyncGenerator[GenerationEvent, None]:
         """Stream the reply from whichever replica the router picks for ``session``; retried before its first token.
 
-        NOTE: ``share`` does not travel: a replica (ours or vLLM) schedules its own queue; the backend's quotas
-        (``backend/core/tenant_quota.py``) still hold at the edge.
+        ``share`` travels under ``kvchat`` (our engine server schedules by it; a vLLM replica ignores it); the
+        backend's quotas (``backend/core/tenant_quota.py``) hold at the edge either way.
         """
         if self._http is None:
             raise EngineStopped("the remote engine is not running")
@@ -345,7 +345,7 @@ class RemoteEngine:
         tokenized = await asyncio.to_thread(self.tokenize_prompt, prompt) if needs_tokenizing(prompt) else None
         tokenized = tokenized or self.tokenize_prompt(prompt)
         self._prompts.check_fits(len(tokenized.token_ids), params.max_tokens)  # (as the engine would: no round trip)
-        body = self._body(tokenized, params, namespace, session)
+        body = self._body(tokenized, params, namespace, session, share)
         headers = {SESSION_HEADER: session or rid}
         self._live.add(rid)
         try:
@@ -365,7 +365,12 @@ class RemoteEngine:
             self._aborted.discard(rid)
 
     def _body(
-        self, prompt: TokenizedPrompt, params: SamplingParams, namespace: str, session: str | None
+        self,
+        prompt: TokenizedPrompt,
+        params: SamplingParams,
+        namespace: str,
+        session: str | None,
+        share: FairShare = DEFAULT_SHARE,
     ) -> dict[str, Any]:
         """OpenAI's fields (what a vLLM replica reads), and the exact request under ``kvchat`` (what ours reads)."""
         request = CompletionRequest(
@@ -381,7 +386,11 @@ class RemoteEngine:
             stop=list(params.stop) or None,
             cache_salt=namespace,
             kvchat=KvchatExtra(
-                spans=prompt.spans, system_tokens=prompt.system_tokens, session=session, sampling=params
+                spans=prompt.spans,
+                system_tokens=prompt.system_tokens,
+                session=session,
+                sampling=params,
+                share=share if share != DEFAULT_SHARE else None,
             ),
         )
         return request.model_dump(mode="json", exclude_none=True)

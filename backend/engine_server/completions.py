@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from backend.engine_client.messages import ChatCompletionRequest, CompletionRequest, _Sampling
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import (
+    DEFAULT_SHARE,
     EngineError,
     FinishReason,
     GenerationEvent,
@@ -87,7 +88,8 @@ async def _answer(
 ) -> JSONResponse | StreamingResponse:
     namespace = header or body.cache_salt or "default"
     session = body.kvchat.session if body.kvchat else None
-    events = engine.generate(prompt, sampling_of(body), namespace, uuid.uuid4().hex, session)
+    share = body.kvchat.share if body.kvchat and body.kvchat.share else DEFAULT_SHARE
+    events = engine.generate(prompt, sampling_of(body), namespace, uuid.uuid4().hex, session, share)
     try:
         first = await anext(events)  # NOTE: a refusal raises here, before a byte is sent: an HTTP error
     except BaseException:

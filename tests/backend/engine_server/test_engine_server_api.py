@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import httpx
 import pytest
 
+from backend.engine_client.remote import RemoteEngine
+from backend.engine_client.values import DEFAULT_SHARE, FairShare, SamplingParams, TokenizedPrompt
 from backend.engine_server.app import create_engine_app
 from engine.llm_engine import LLMEngine
 
@@ -188,3 +191,39 @@ async def test_chat_completions_render_the_template_here(http: httpx.AsyncClient
     events = _events(streamed.text)
     assert events[0]["object"] == "chat.completion.chunk"
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+class _ShareSpy:
+    """The tiny engine, recording the fair share each ``generate`` is charged to."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self.shares: list[FairShare] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        share = args[5] if len(args) > 5 else kwargs.get("share", DEFAULT_SHARE)
+        self.shares.append(share)
+        return self._engine.generate(*args, **kwargs)
+
+
+async def test_the_tenants_fair_share_travels_to_the_engine(tiny_engine: LLMEngine) -> None:
+    """An engine process or replica of ours schedules by the tenant the backend names (engine.fair_share); without
+    it, every request would be charged to one tenant and served first come, first served."""
+    spy = _ShareSpy(tiny_engine)
+    app = create_engine_app(spy, SECRET, owns_engine=False)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine") as http:
+        await _complete(http, "t1", kvchat={"share": {"tenant": "tenant-a", "weight": 2.0}})
+        await _complete(http, "t1")
+    assert spy.shares == [FairShare("tenant-a", 2.0), DEFAULT_SHARE]
+    sent = RemoteEngine._body(  # (what the backend's client sends)
+        cast(RemoteEngine, SimpleNamespace(model="m")),
+        TokenizedPrompt([1, 2, 3]),
+        SamplingParams(),
+        "ns",
+        None,
+        FairShare("b", 1.0),
+    )
+    assert sent["kvchat"]["share"] == {"tenant": "b", "weight": 1.0}
