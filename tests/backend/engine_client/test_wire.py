@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from backend.engine_client.messages import CompletionRequest, KvchatExtra
-from backend.engine_client.remote import _summed
+from backend.engine_client.remote_cache import _summed
 from backend.engine_client.values import (
     EngineBusy,
     EngineStats,
