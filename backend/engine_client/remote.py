@@ -10,10 +10,10 @@ through vllm-router or one replica directly (``KVCHAT_ENGINE_URL``; docs/scale-o
   answers a 5xx or garbage is retried (``retries`` times, with backoff: long enough for the router's health check to
   drop a dead replica, so the retry lands on another one, as a cache miss). After the first token the stream cannot
   be replayed: ``EngineUnreachable`` (the chat layer's ``unavailable`` error frame). Nothing waits forever.
-- **Cache control** (``remote_cache.py``) goes to every replica directly (``remote_control.py`` says why, and what a down replica means):
-  those listed (``KVCHAT_ENGINE_REPLICAS``), else the workers vllm-router lists (``/list_workers``), read at start
-  and again every ``REFRESH_S`` (``refresh_replicas``): a replica the router dropped is no longer called, and a new
-  one is checked (same model) and added. Each change is one log line.
+- **Cache control** (``remote_cache.py``) goes to every replica directly (``remote_control.py`` says why, and what
+  a down replica means): those listed (``KVCHAT_ENGINE_REPLICAS``), else the workers vllm-router lists
+  (``/list_workers``), read at start and again every ``REFRESH_S`` (``refresh_replicas``): a replica the router
+  dropped is no longer called, and a new one is checked (same model) and added. Each change is one log line.
 - **vLLM replicas** (no ``/kvchat/info``): generation works (the namespace goes out as ``cache_salt``); invalidate,
   release, erase, pin, temperature, footprint, cache settings and engine stats do not exist there. Each missing item
   is logged once at start and its calls do nothing there, so no call fails because of it; but the result of an
