@@ -37,8 +37,9 @@ class EngineConfig:
     disk_cache_dir: str | None = None  # the disk tier of the KV cache (safetensors + an SQLite index); None = none
     cache_settings: CacheSettings = field(default_factory=CacheSettings)  # TTLs, disk cap, eviction, pinning
     # Suffix drafts (engine.spec), verified exactly; used where arctic-inference is installed and the cost model
-    # measured for this CPU kind and dtype says they pay (engine.spec.cost_model). False: never. Off by default: with
-    # the chat's repetition penalty they gained nothing (docs/benchmarks.md, issue 44).
+    # measured for this CPU kind and dtype says they pay (engine.spec.cost_model). This is the default of requests
+    # that do not say (``SamplingParams.drafts`` None); a request's True or False wins. Off by default: with the
+    # chat's repetition penalty they gained nothing (docs/benchmarks.md, issue 44).
     drafts: bool = False
 
     def __post_init__(self) -> None:

@@ -61,6 +61,7 @@ class EngineCore:
         lock: threading.Lock,
         wakeup: threading.Event,
         drafter: SuffixDrafter | None = None,
+        drafts_default: bool = False,
     ) -> None:
         self.runner = runner
         self.encoder = encoder
@@ -73,6 +74,7 @@ class EngineCore:
         self._wakeup = wakeup
         self._block_size = kv.block_size
         self.drafter = drafter  # suffix drafts (engine.spec); None: every decode step computes one token
+        self.drafts_default = drafts_default  # for requests that do not say (``SamplingParams.drafts`` None)
 
     @classmethod
     def build(
@@ -98,7 +100,7 @@ class EngineCore:
         table = RequestTable(scheduler, cache, info.max_model_len)
         grammar = GrammarCompiler(tokenizer.hf, info.vocab_size, tokenizer.eos_token_ids)
         sampler = Sampler(runner.device, vocab_size=info.vocab_size, grammar=grammar)
-        return cls(runner, encoder, sampler, kv, scheduler, cache, table, lock, wakeup, drafter)
+        return cls(runner, encoder, sampler, kv, scheduler, cache, table, lock, wakeup, drafter, config.drafts)
 
     def prepare(
         self, submission: Submission, rid: str, session: str | None, share: FairShare = DEFAULT_SHARE
@@ -256,7 +258,7 @@ class EngineCore:
                     drafter.end(rid, seq.output_token_ids, keep=keep)
                 continue
             state = self.table[rid].sampler_state
-            if not pays or not drafts_allowed(state):
+            if not pays or not drafts_allowed(state, self.drafts_default):
                 continue
             if not drafter.is_active(rid):
                 drafter.begin(rid, seq.root, seq.prompt_token_ids, session=seq.session)
@@ -356,11 +358,16 @@ class EngineCore:
 
 
 def _speculation(config: EngineConfig, runner: ModelRunner) -> SuffixDrafter | None:
-    """The drafter with its live cost model (the scheduler's per-step draft limit): none where drafts are off or
-    cannot be made here."""
+    """The drafter with its live cost model (the scheduler's per-step draft limit): none where drafts cannot be made
+    here.
+
+    NOTE: made whether or not ``config.drafts`` is on: the switch is only the default of requests that do not say
+    (a tenant's ``drafts: on`` asks for them on an engine whose switch is off). An engine where no request asks
+    holds an empty drafter: no tree is built before a request drafts.
+    """
     from engine.spec import cost_model, suffix_drafts
 
-    if not config.drafts or not suffix_drafts.available():
+    if not suffix_drafts.available():
         return None
     model = cost_model.for_machine(runner.dtype, runner.device.type)
     if model is None:

@@ -29,6 +29,9 @@ class RequestStats:
     cached_tokens_by_type: Mapping[str, int] = field(default_factory=dict)
     # Of cached_tokens, those found in memory and those promoted from the disk tier for this request.
     cached_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)
+    # Suffix drafts (engine.spec): the draft tokens this request's steps verified, and those accepted.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -235,4 +235,6 @@ def request_stats(seq: Seq, first_token_time: float | None, now: float) -> Reque
             "memory": seq.num_cached_tokens - seq.num_disk_cached_tokens,
             "disk": seq.num_disk_cached_tokens,
         },
+        drafted_tokens=seq.num_drafted_tokens,
+        accepted_tokens=seq.num_accepted_tokens,
     )

@@ -350,9 +350,9 @@ def _accepted_prefix(picked: Sequence[int], drafts: Sequence[int]) -> int:
     return n
 
 
-def drafts_allowed(state: SamplerState) -> bool:
-    """Whether a request's next step may verify drafts: unless it asked for none (``SamplingParams.drafts``), or it
-    samples with a seed.
+def drafts_allowed(state: SamplerState, default: bool) -> bool:
+    """Whether a request's next step may verify drafts: unless it asked for none (``SamplingParams.drafts``; None
+    takes ``default``, the engine's switch), or it samples with a seed.
 
     NOTE: a seeded request's tokens must not depend on its batch (see the module docstring), and whether a step
     verifies drafts does (the cost model looks at the batch); verifying consumes other random draws than decoding.
@@ -361,7 +361,8 @@ def drafts_allowed(state: SamplerState) -> bool:
     accepted tokens over one by one and drops those after a stop.
     """
     p = state.params
-    return p.drafts and (p.greedy or p.seed is None)
+    wanted = default if p.drafts is None else p.drafts
+    return wanted and (p.greedy or p.seed is None)
 
 
 def _token_logprob(raw: torch.Tensor, token: int, k: int) -> TokenLogprob:

@@ -86,8 +86,10 @@ class SamplingParams:
     # vLLM's ``prompt_logprobs`` (for scoring text, not chatting): ``RequestFinished.prompt_logprobs`` holds, for each
     # prompt position p >= 1, log p(token p | tokens 0..p-1). Such a request takes no prefix-cache hit.
     prompt_logprobs: bool = False
-    # Suffix drafts (engine.spec): verified exactly, so on by default; False asks for plain one-token steps.
-    drafts: bool = True
+    # Suffix drafts (engine.spec), verified exactly: True drafts where the cost model says they pay, False asks for
+    # plain one-token steps, None follows the engine's switch (``EngineConfig.drafts``). The backend sets it from the
+    # tenant's setting and a /v1 request's own field.
+    drafts: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -145,8 +147,8 @@ class SamplingParams:
             raise bad("stop strings must be non-empty strings")
         if not isinstance(self.prompt_logprobs, bool):
             raise bad(f"prompt_logprobs must be a boolean, got {self.prompt_logprobs!r}")
-        if not isinstance(self.drafts, bool):
-            raise bad(f"drafts must be a boolean, got {self.drafts!r}")
+        if self.drafts is not None and not isinstance(self.drafts, bool):
+            raise bad(f"drafts must be a boolean or null, got {self.drafts!r}")
         if len(self.stop) > 16:
             raise bad(f"at most 16 stop strings are allowed, got {len(self.stop)}")
         self._validate_logit_changes()
