@@ -68,6 +68,18 @@ class ReplicaErase(StrEnum):
     RESET_CACHE = "reset_cache"  # reset that replica's whole prefix cache: every session on it loses its prefixes
 
 
+class DraftsSetting(StrEnum):
+    """A tenant's suffix drafts (engine/spec): verified exactly, so a choice of speed, never of output."""
+
+    ON = "on"  # draft even where the engine's switch (KVCHAT_ENGINE_DRAFTS) is off
+    OFF = "off"  # plain one-token steps, even where the switch is on
+    DEFAULT = "default"  # follow the engine's switch
+
+    def wanted(self) -> bool | None:
+        """The engine's ``SamplingParams.drafts`` for this setting (None: the engine's switch decides)."""
+        return {DraftsSetting.ON: True, DraftsSetting.OFF: False}.get(self)
+
+
 class HandoffReason(StrEnum):
     """Why a session went to the inbox; one ``handoffs`` row each time."""
 

@@ -63,6 +63,8 @@ class Tenant(Base):
     replica_erase: Mapped[str] = mapped_column(String(16), default="report", server_default="report")
     # /v1 replies pass the contact guard (backend/context/contact_guard.py); chat replies always do.
     v1_contact_guard: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # "on", "off" or "default" (the engine's switch): suffix drafts for the tenant's replies (backend/domain.py).
+    drafts: Mapped[str] = mapped_column(String(8), default="default", server_default="default")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -98,9 +98,12 @@ def plan(req: s.ChatCompletionRequest, family: ToolFamily, vocab_size: int, max_
     )
 
 
-def sampling_params(req: s.ChatCompletionRequest, plan: RequestPlan, prompt_tokens: int, limit: int) -> SamplingParams:
+def sampling_params(
+    req: s.ChatCompletionRequest, plan: RequestPlan, prompt_tokens: int, limit: int, drafts: bool | None = None
+) -> SamplingParams:
     """Raises ``PromptTooLongError`` / ``InvalidSamplingParamsError`` (mapped to 400 by the caller). ``limit``: the
-    engine's ``prompt_limit``, the most tokens a request may hold."""
+    engine's ``prompt_limit``, the most tokens a request may hold; ``drafts``: the tenant's suffix-drafts choice
+    (None: the engine's switch), which the request's own ``drafts`` field overrides."""
     # NOTE: without max_tokens a reply may fill the rest of the limit (OpenAI's and vLLM's default): the model's
     # context or the KV pool, whichever is smaller.
     max_tokens = req.max_completion_tokens or req.max_tokens or limit - prompt_tokens
@@ -123,7 +126,7 @@ def sampling_params(req: s.ChatCompletionRequest, plan: RequestPlan, prompt_toke
         logit_bias=logit_bias(req.logit_bias or {}, None),
         logprobs=plan.top_logprobs,
         structured=plan.grammar,
-        drafts=req.drafts,
+        drafts=drafts if req.drafts is None else req.drafts,
     )
 
 

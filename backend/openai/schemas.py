@@ -159,8 +159,9 @@ class ChatCompletionRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     # kvchat's extension: suffix drafts (engine/spec) for this request; they never change the output (greedy tokens
-    # are identical, sampled ones keep the model's distribution), so only a caller measuring the engine turns them off
-    drafts: bool = True
+    # are identical, sampled ones keep the model's distribution), only its speed. Left out: the tenant's setting
+    # (``PUT /admin/tenant/drafts``), whose default is the engine's switch (``KVCHAT_ENGINE_DRAFTS``).
+    drafts: bool | None = None
 
 
 class PromptTokensDetails(BaseModel):

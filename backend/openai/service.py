@@ -135,20 +135,27 @@ class ChatCompletions:
         namespace: str,
         is_disconnected: Callable[[], Awaitable[bool]],
         grounding: Grounding | None = None,
+        drafts: bool | None = None,
     ) -> s.ChatCompletion | EventStreamResponse:
         """Run one chat completion in the tenant's cache namespace: the whole reply, or an SSE stream of it.
 
         Raises ``OpenAIError`` / ``EngineError`` before any byte is sent: a stream starts once the engine gave the
         first event of every choice, so a request the engine refuses (busy, too long) is an HTTP error, not an SSE
-        one. With ``grounding`` (the tenant's texts), the content passes the contact guard.
+        one. With ``grounding`` (the tenant's texts), the content passes the contact guard. ``drafts``: the tenant's
+        suffix-drafts choice (None: the engine's switch); the request's own ``drafts`` field wins.
         """
-        run = await self._start(req, tenant_id, namespace, grounding)
+        run = await self._start(req, tenant_id, namespace, grounding, drafts)
         if not req.stream:
             return await self._complete(run, is_disconnected)
         return EventStreamResponse(self._events(run), on_close=run.close)
 
     async def _start(
-        self, req: s.ChatCompletionRequest, tenant_id: str, namespace: str, grounding: Grounding | None
+        self,
+        req: s.ChatCompletionRequest,
+        tenant_id: str,
+        namespace: str,
+        grounding: Grounding | None,
+        drafts: bool | None = None,
     ) -> _Run:
         """Check, render and tokenize, then open the choices' engine requests and read their first events."""
         self._check_model(req.model)
@@ -173,7 +180,7 @@ class ChatCompletions:
         offered = planned.tools.offered if planned.tools is not None else ()
         admission.started()  # (this request's part on the loop is done: the next admitted one may start)
         prompt = await run_cpu(tenant_id, self._tokenize, messages, offered)
-        params = sampling_params(req, planned, len(prompt.token_ids), limit)
+        params = sampling_params(req, planned, len(prompt.token_ids), limit, drafts)
         meta = _Meta(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),

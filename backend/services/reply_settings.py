@@ -37,6 +37,9 @@ class ReplySettings:
     frequency_penalty: float = 0.0
     stop: tuple[str, ...] = ()
     tool_use: ToolUse = ToolUse.AUTO
+    # NOTE: not a reply-settings column: the tenant's suffix-drafts choice (``tenants.drafts``, read beside these by
+    # ``backend/chat/reply_setup.py``), carried here so every reply's parameters take it. None: the engine's switch.
+    drafts: bool | None = None
 
     def params(self, max_tokens: int, structured: StructuredOutput | None = None) -> SamplingParams:
         """The engine's parameters for one reply (raises ``InvalidSamplingParamsError`` for a value it refuses)."""
@@ -51,6 +54,7 @@ class ReplySettings:
             frequency_penalty=self.frequency_penalty,
             stop=self.stop,
             structured=structured,
+            drafts=self.drafts,
         )
 
     def checked(self) -> ReplySettings:
@@ -103,6 +107,7 @@ async def save(db: AsyncSession, tenant_id: str, settings: ReplySettings) -> Rep
     values = dataclasses.asdict(settings)
     values["stop"] = json.dumps(list(settings.stop))
     values["tool_choice"] = values.pop("tool_use").value
+    del values["drafts"]  # (the tenant's, stored on its row: ``tenants.set_drafts``)
     row = await db.get(TenantReplySettings, tenant_id)
     if row is None:
         db.add(TenantReplySettings(tenant_id=tenant_id, **values))

@@ -1,4 +1,5 @@
-"""What a tenant's admin changes of its own: system prompt, policy text and keys, splitter rules and context settings.
+"""What a tenant's admin changes of its own: system prompt, policy text and keys, splitter rules and context settings,
+the ``/v1`` contact guard and suffix drafts.
 
 A tenant reads the global rules (``tenant_id`` NULL) and its own; it writes only its own. A tenant rule named like a
 global one shadows it (``context_store.load_rules``), which is how a default is switched off or changed. Every rule
@@ -23,7 +24,7 @@ from backend.core.errors import RuleExistsError, RuleNotFoundError, RuleReadOnly
 from backend.core.namespaces import Namespaces
 from backend.core.offload import run_cpu
 from backend.db.models import ApiKey, SplitterRule, Tenant
-from backend.domain import HistoryPolicy, KeyKind
+from backend.domain import DraftsSetting, HistoryPolicy, KeyKind
 from backend.engine_client.protocol import EngineClient
 from backend.services import cache_admin, context_store, tenants
 from backend.services.cache_admin import PrefixEdit
@@ -74,6 +75,14 @@ async def set_policy_text(
 async def set_v1_contact_guard(db: AsyncSession, tenant_id: str, enabled: bool) -> Tenant:
     """Whether ``/v1`` replies pass the contact guard (the next request uses it); nothing cached depends on it."""
     tenant = await tenants.set_v1_contact_guard(db, tenant_id, enabled)
+    await db.commit()
+    return tenant
+
+
+async def set_drafts(db: AsyncSession, tenant_id: str, drafts: DraftsSetting) -> Tenant:
+    """Whether the tenant's replies decode with suffix drafts (the next turn and ``/v1`` request use it; a ``/v1``
+    request's own ``drafts`` field wins). Drafts are verified exactly: the replies are the same either way."""
+    tenant = await tenants.set_drafts(db, tenant_id, drafts)
     await db.commit()
     return tenant
 

@@ -22,7 +22,7 @@ from backend.context.handbook import Section, parse_markdown
 from backend.core.errors import KeyNotFoundError, KeyRevokedError, TenantExistsError, TenantNotFoundError
 from backend.core.security import display_prefix, generate_key, hash_key
 from backend.db.models import ApiKey, HandbookSection, Tenant, utcnow
-from backend.domain import KeyKind
+from backend.domain import DraftsSetting, KeyKind
 from backend.services.inbox_errors import AgentKeyKindError
 from backend.services.revocation import announce_revoked
 
@@ -153,6 +153,19 @@ async def set_policy_text(db: AsyncSession, tenant_id: str, policy_text: str) ->
 async def set_v1_contact_guard(db: AsyncSession, tenant_id: str, enabled: bool) -> Tenant:
     tenant = await get_tenant(db, tenant_id)
     tenant.v1_contact_guard = enabled
+    await db.flush()
+    return tenant
+
+
+async def drafts_of(db: AsyncSession, tenant_id: str) -> DraftsSetting:
+    """The tenant's suffix-drafts choice (``default`` for a tenant that is gone: its turn fails elsewhere)."""
+    value = await db.scalar(select(Tenant.drafts).where(Tenant.id == tenant_id))
+    return DraftsSetting(value or DraftsSetting.DEFAULT)
+
+
+async def set_drafts(db: AsyncSession, tenant_id: str, drafts: DraftsSetting) -> Tenant:
+    tenant = await get_tenant(db, tenant_id)
+    tenant.drafts = drafts.value
     await db.flush()
     return tenant
 

@@ -1,6 +1,6 @@
 """Admin: the tenant's own settings and keys (system prompt and policy text; rotate the chat token or the admin key),
-whether ``/v1`` replies pass the contact guard, its context-layer settings, its cache settings (scope, prefix
-pinning), and a flush of its whole prefix cache.
+whether ``/v1`` replies pass the contact guard, whether its replies decode with suffix drafts, its context-layer
+settings, its cache settings (scope, prefix pinning), and a flush of its whole prefix cache.
 
 The engine-global cache settings (TTLs, disk cap, eviction) are the operator's: ``admin_cache.py``."""
 
@@ -18,7 +18,7 @@ from backend.api.routes.admin_sessions import PARTIAL, FlushOut, ReplicaOut, ans
 from backend.core.limits import SafeText
 from backend.core.namespaces import CacheScope
 from backend.db.models import ApiKey, Tenant
-from backend.domain import HistoryPolicy, KeyKind, ReplicaErase
+from backend.domain import DraftsSetting, HistoryPolicy, KeyKind, ReplicaErase
 from backend.engine_client.replica_report import ReplicaReport, report_of
 from backend.services import cache_admin, tenant_admin, tenants
 from backend.services.cache_admin import PrefixEdit, TenantCache, TenantCacheChange
@@ -36,6 +36,7 @@ class TenantOut(BaseModel):
     cache_scope: CacheScope
     pin_prefix: bool
     v1_contact_guard: bool = Field(description="/v1 replies pass the contact guard (chat replies always do)")
+    drafts: DraftsSetting = Field(description="suffix drafts: on, off, or default (the engine's switch)")
     created_at: datetime
 
     @classmethod
@@ -48,6 +49,7 @@ class TenantOut(BaseModel):
             cache_scope=CacheScope(t.cache_scope),
             pin_prefix=t.pin_prefix,
             v1_contact_guard=t.v1_contact_guard,
+            drafts=DraftsSetting(t.drafts),
             created_at=t.created_at,
         )
 
@@ -70,6 +72,16 @@ class V1ContactGuardIn(BaseModel):
     enabled: bool = Field(
         description="replace URLs, e-mail addresses and phone numbers that neither the tenant's system prompt and "
         "policy text nor the request's messages hold (off by default: an API client may want raw output)"
+    )
+
+
+class DraftsIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    drafts: DraftsSetting = Field(
+        description="suffix drafts for the tenant's chat replies and /v1 requests (a request's own `drafts` field "
+        "wins): on, off, or default (the engine's switch, KVCHAT_ENGINE_DRAFTS). Verified exactly: the replies are "
+        "the same either way, only their speed changes"
     )
 
 
@@ -217,6 +229,12 @@ async def set_policy_text(
 async def set_v1_contact_guard(body: V1ContactGuardIn, tenant: AdminDep, db: DbDep) -> TenantOut:
     """Turn the contact guard on ``/v1/chat/completions`` on or off (the next request uses it)."""
     return TenantOut.of(await tenant_admin.set_v1_contact_guard(db, tenant.id, body.enabled))
+
+
+@router.put("/drafts", response_model=TenantOut, dependencies=[audited("tenant.drafts")])
+async def set_drafts(body: DraftsIn, tenant: AdminDep, db: DbDep) -> TenantOut:
+    """Turn suffix drafts on or off for the tenant, or follow the engine's switch (the next turn and request use it)."""
+    return TenantOut.of(await tenant_admin.set_drafts(db, tenant.id, body.drafts))
 
 
 def _edited(request: Request, edit: PrefixEdit) -> TenantOut:

@@ -15,7 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 
 from backend.api.deps import BEARER, StateDep, bearer_token
 from backend.db.models import Tenant
-from backend.domain import KeyKind
+from backend.domain import DraftsSetting, KeyKind
 from backend.openai.errors import OpenAIRoute, unauthorized
 from backend.openai.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse, ModelCard, ModelList
 from backend.services import handbook
@@ -54,4 +54,5 @@ async def chat_completions(
 ) -> ChatCompletion | StreamingResponse:
     namespace = state.namespaces.of(tenant.id, tenant.cache_scope)
     grounding = await handbook.v1_grounding(state.sessionmaker, tenant) if tenant.v1_contact_guard else None
-    return await state.completions.create(body, tenant.id, namespace, request.is_disconnected, grounding)
+    drafts = DraftsSetting(tenant.drafts).wanted()
+    return await state.completions.create(body, tenant.id, namespace, request.is_disconnected, grounding, drafts)

@@ -38,6 +38,14 @@ def test_sampling_params_round_trip_exactly() -> None:
     assert decode(SamplingParams, _through_json(params)) == params
 
 
+@pytest.mark.parametrize("drafts", [None, False, True])
+def test_the_drafts_choice_travels_to_an_engine_server(drafts: bool | None) -> None:
+    sent = CompletionRequest(prompt=[1, 2], kvchat=KvchatExtra(sampling=SamplingParams(max_tokens=3, drafts=drafts)))
+    read = CompletionRequest.model_validate_json(json.dumps(sent.model_dump(mode="json", exclude_none=True)))
+    assert read.kvchat is not None and read.kvchat.sampling is not None
+    assert read.kvchat.sampling.drafts is drafts
+
+
 def test_bad_sampling_is_the_engines_error() -> None:
     with pytest.raises(InvalidSamplingParamsError):
         decode(SamplingParams, {"temperature": -1.0})

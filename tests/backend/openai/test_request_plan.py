@@ -71,6 +71,16 @@ def test_every_sampling_parameter_reaches_the_engine() -> None:
     assert p.logprobs == 4
 
 
+@pytest.mark.parametrize(
+    ("own", "tenant", "sent"),
+    [(None, None, None), (None, False, False), (None, True, True), (True, False, True), (False, True, False)],
+)
+def test_the_requests_drafts_win_over_the_tenants(own: bool | None, tenant: bool | None, sent: bool | None) -> None:
+    req = _req() if own is None else _req(drafts=own)
+    p = sampling_params(req, plan(req, ToolFamily.HERMES, VOCAB), prompt_tokens=4, limit=LIMIT, drafts=tenant)
+    assert p.drafts is sent  # (None: the engine's switch decides)
+
+
 def test_a_prompt_that_fills_the_context_is_too_long() -> None:
     req = _req()
     with pytest.raises(PromptTooLongError) as exc:

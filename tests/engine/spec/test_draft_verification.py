@@ -182,6 +182,24 @@ def test_a_request_can_ask_for_no_drafts(tiny_model_dir: Path) -> None:
     assert engine.stats().drafted_tokens == 0
 
 
+def test_a_request_that_says_nothing_follows_the_engines_switch(tiny_model_dir: Path) -> None:
+    """Beside each other in one batch, with the switch on: the request that asked for none (a tenant with drafts
+    off) verifies none, the one that said nothing drafts; with the switch off, only the one that asked drafts."""
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
+    for switch, asked in ((True, False), (False, True)):
+        engine = engine_with(tiny_model_dir, switch)
+        engine.core.scheduler.draft_limit = lambda decoding: 8
+        collect = Collector()
+        params = [SamplingParams(max_tokens=32, drafts=asked), SamplingParams(max_tokens=32)]
+        ids = [engine.submit(prompt, p, f"tenant{i}", collect) for i, p in enumerate(params)]
+        engine.run_until_idle()
+        own, default = (r.stats for r in collect.results(ids))
+        drafting, quiet = (own, default) if asked else (default, own)
+        assert (quiet.drafted_tokens, quiet.accepted_tokens) == (0, 0)
+        assert drafting.drafted_tokens >= drafting.accepted_tokens > 0
+        assert engine.stats().drafted_tokens == drafting.drafted_tokens
+
+
 def test_erasing_a_session_removes_its_replies_from_the_drafts(tiny_model_dir: Path) -> None:
     engine = engine_with(tiny_model_dir, True)
     collect = Collector()
