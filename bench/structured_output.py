@@ -13,7 +13,11 @@ the rows beside them that have none?
    rounds run alternately (ABAB), prefix caching off so every round prefills alike: the median over the rounds of
    the mixed batch's rate over the control batch's run just before it. Goal: a loss of at most 5 %.
 
-Writes ``docs/benchmarks/structured_output.json`` (and prints a table).
+3. ``--drafts``: instead of 1 and 2, suffix drafts off against on for JSON-schema tickets and tool calls
+   (``bench/structured_drafts.py``): decode tokens/s, acceptance, identical replies. ``--prompts`` messages each.
+
+Writes ``docs/benchmarks/structured_output.json`` (``--drafts``: ``structured_output_drafts.json``) and prints a
+table.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from engine.request_table import Collector
 from engine.sampling_params import GrammarKind, SamplingParams, StructuredOutput
 
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "structured_output.json"
+DRAFTS_OUT = REPO_ROOT / "docs" / "benchmarks" / "structured_output_drafts.json"
 TICKET = {
     "type": "object",
     "properties": {
@@ -157,8 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--grammar-rows", type=int, default=2)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--drafts", action="store_true", help="suffix drafts off vs on (json_schema and tool calls)")
+    p.add_argument("--tool-max-tokens", type=int, default=128)
+    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.drafts:
+        return drafts_main(args, list(argv or []))
+    args.out = args.out or DEFAULT_OUT
 
     texts = held_out_messages(args.data, max(args.prompts, args.batch))
     config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_kv_memory_mb=512, max_num_seqs=64)
@@ -187,6 +197,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         "neighbours": cost,
     }
     print(f"wrote {write_json(args.out, payload)}", file=sys.stderr)
+    return 0
+
+
+def drafts_main(args: argparse.Namespace, argv: list[str]) -> int:
+    """Drafts off vs on, one request at a time, on both structured workloads (``bench/structured_drafts.py``)."""
+    from bench import structured_drafts
+
+    texts = held_out_messages(args.data, args.prompts)
+    config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_kv_memory_mb=1024, drafts=True)
+    engine = LLMEngine(config)
+    info = engine.load()
+    tickets = [structured_drafts.ticket_request(SYSTEM, t, TICKET, args.max_tokens) for t in texts]
+    calls = [structured_drafts.tool_request(t, args.tool_max_tokens) for t in texts]
+    results = [structured_drafts.compare(engine, tickets, "json_schema")]
+    results.append(structured_drafts.compare(engine, calls, "tool_call"))
+    rows = []
+    for r in results:
+        for side in ("off", "on"):
+            s = r[side]
+            acceptance = "–" if s["acceptance"] is None else f"{s['acceptance']:.0%}"
+            per_step = "–" if side == "off" else f"{s['tokens_per_step']:.2f}"
+            rows.append(
+                [r["workload"], side, s["completion_tokens"], f"{s['decode_tokens_per_s']:.1f}", acceptance, per_step]
+            )
+        rows.append([r["workload"], "on / off", "", f"{r['speedup']:.2f}x", f"{r['mismatches']} mismatches", ""])
+    print(format_table(["workload", "drafts", "tokens", "decode tok/s", "acceptance", "tokens / step"], rows))
+    payload = {
+        "name": "structured_output_drafts",
+        "command": "flock /tmp/kvchat-bench.lock " + reproduce_command("bench.structured_output", argv),
+        "machine": machine_info(dtype=info.dtype),
+        "model": args.model,
+        "prompts": args.prompts,
+        "workloads": results,
+    }
+    print(f"wrote {write_json(args.out or DRAFTS_OUT, payload)}", file=sys.stderr)
     return 0
 
 

@@ -20,3 +20,15 @@ def test_validity_and_neighbours_are_reported(tiny_model_dir: Path, tmp_path: Pa
     assert (cost["batch"], cost["grammar_rows"], cost["decode_tokens"]) == (3, 1, 4)
     assert cost["ratio"] > 0
     assert len(cost["samples"]["control"]) == len(cost["samples"]["mixed"]) == 1
+
+
+def test_drafts_off_and_on_are_compared_on_both_workloads(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "drafts.json"
+    argv = ["--model", str(tiny_model_dir), "--drafts", "--prompts", "2", "--max-tokens", "12"]
+    assert structured_output.main([*argv, "--tool-max-tokens", "12", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [w["workload"] for w in result["workloads"]] == ["json_schema", "tool_call"]
+    for w in result["workloads"]:
+        assert w["off"]["replies"] == w["on"]["replies"] == 2
+        assert w["off"]["drafted_tokens"] == 0  # the off side asked for none
+        assert w["mismatches"] == 0  # greedy: drafts never change a reply
