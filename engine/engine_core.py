@@ -234,6 +234,8 @@ class EngineCore:
         c.drafted_tokens += len(item.drafts)
         c.accepted_tokens += item.num_accepted
         c.verify_steps += 1
+        gave = item.num_accepted + 1
+        c.tokens_per_verify_step[gave] = c.tokens_per_verify_step.get(gave, 0) + 1
         if self.drafter is not None:
             self.drafter.observe(seq.request_id, len(item.drafts), item.num_accepted)
             if self.drafter.cost is not None:
@@ -348,6 +350,7 @@ class EngineCore:
                 drafted_tokens=c.drafted_tokens,
                 accepted_tokens=c.accepted_tokens,
                 verify_steps=c.verify_steps,
+                tokens_per_verify_step=dict(c.tokens_per_verify_step),
             )
 
     def fail_in_flight(self) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
@@ -63,3 +64,5 @@ class EngineStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
+    # how many verify steps gave n tokens (the accepted drafts and the one more): /metrics' histogram of them
+    tokens_per_verify_step: Mapping[int, int] = field(default_factory=dict)

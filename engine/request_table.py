@@ -55,6 +55,7 @@ class Counters:
     drafted_tokens: int = 0  # suffix drafts verified (engine.spec)
     accepted_tokens: int = 0
     verify_steps: int = 0
+    tokens_per_verify_step: dict[int, int] = field(default_factory=dict)  # tokens a verify step gave -> steps
 
 
 class RequestTable:

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from backend.engine_client.protocol import EngineClient
@@ -24,7 +24,7 @@ class EngineCollector(Collector):
     def __init__(self, read: Callable[[], tuple[EngineInfo, EngineStats] | None]) -> None:
         self._read = read
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         now = self._read()
         if now is None:
             return
@@ -54,11 +54,28 @@ class EngineCollector(Collector):
         yield _counter("kvchat:request_success", "Requests finished.", s.requests_finished)
         yield _counter("kvchat:engine_steps", "Engine steps (one batch each).", s.steps)
         # suffix decoding (engine/spec): acceptance rate = accepted / draft tokens; tokens per verify step =
-        # (accepted + verify steps) / verify steps
+        # (accepted + verify steps) / verify steps, and their spread in the histogram (docs/operating.md)
         yield _counter("kvchat:spec_decode_draft_tokens", "Draft tokens verified.", s.drafted_tokens)
         yield _counter("kvchat:spec_decode_accepted_tokens", "Draft tokens accepted.", s.accepted_tokens)
         yield _counter("kvchat:spec_decode_verify_steps", "Request steps that verified drafts.", s.verify_steps)
+        yield _tokens_per_verify_step(s.tokens_per_verify_step)
         yield from _by_block_type(s.cache)
+
+
+TOKENS_PER_STEP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def _tokens_per_verify_step(counts: Mapping[int, int]) -> HistogramMetricFamily:
+    """The tokens each verify step gave a request (its accepted drafts and one more), as a histogram: 1 means every
+    draft was rejected. Its ``_sum`` over its ``_count`` is the mean tokens per verify step."""
+    buckets = [(str(le), sum(n for k, n in counts.items() if k <= le)) for le in TOKENS_PER_STEP_BUCKETS]
+    buckets.append(("+Inf", sum(counts.values())))
+    return HistogramMetricFamily(
+        "kvchat:spec_decode_tokens_per_verify_step",
+        "Tokens a request's verify step gave (accepted drafts + 1).",
+        buckets=buckets,
+        sum_value=sum(k * n for k, n in counts.items()),
+    )
 
 
 def _tiers(t: TierStats, memory_bytes: int) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

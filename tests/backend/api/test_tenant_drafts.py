@@ -26,6 +26,7 @@ pytestmark = [
     pytest.mark.skipif(not suffix_drafts.available(), reason="needs the spec extra (arctic-inference)"),
 ]
 URL = "/admin/tenant/drafts"
+SPEC = "kvchat:spec_decode_"
 # NOTE: the tiny model loops on a repeated phrase, so its greedy reply repeats its prompt and itself: drafts come
 MESSAGES = [{"role": "user", "content": "order 5 order 5 order 5 order 5 order 5 order 5 order 5 order 5"}]
 
@@ -99,6 +100,22 @@ async def test_a_tenant_with_drafts_off_gets_none_while_the_switch_is_on(live: L
         assert (await http.get("/admin/tenant", headers={"X-API-Key": admin_b})).json()["drafts"] == "default"
         audit = (await http.get("/admin/audit", headers=A)).json()
     assert [e["action"] for e in audit][:1] == ["tenant.drafts"]
+
+
+async def test_metrics_give_drafted_accepted_and_tokens_per_verify_step(live: LiveServer) -> None:
+    """The counters and the histogram agree: its count is the verify steps, its sum the accepted drafts plus one token
+    a step, and its buckets are cumulative up to the count."""
+    async with httpx.AsyncClient(base_url=live.http, timeout=60.0) as http:
+        await _v1(http, CHAT_TOKEN, drafts=True)
+        text = (await http.get("/metrics")).text
+    samples = {(x.name, x.labels.get("le")): x.value for f in text_string_to_metric_families(text) for x in f.samples}
+    drafted, accepted = samples[(f"{SPEC}draft_tokens_total", None)], samples[(f"{SPEC}accepted_tokens_total", None)]
+    steps = samples[(f"{SPEC}verify_steps_total", None)]
+    assert drafted >= accepted > 0 and steps > 0
+    assert samples[(f"{SPEC}tokens_per_verify_step_count", None)] == steps
+    assert samples[(f"{SPEC}tokens_per_verify_step_sum", None)] == accepted + steps
+    buckets = [v for (name, le), v in samples.items() if name == f"{SPEC}tokens_per_verify_step_bucket"]
+    assert buckets == sorted(buckets) and buckets[-1] == steps
 
 
 @pytest.mark.parametrize("body", [{"drafts": "sometimes"}, {"drafts": True}, {}, {"drafts": "on", "also": 1}])
