@@ -74,8 +74,9 @@ class Settings(BaseSettings):
         default=False,
         description="suffix drafts (issue 44), verified exactly: the engine drafts a reply's next tokens from the "
         "tenant's earlier replies and keeps those the model would have written; needs the `spec` extra "
-        "(arctic-inference). Off by default: with the chat's repetition penalty they gained nothing here "
-        "(docs/benchmarks.md). When on, a `/v1` request can still turn them off (`drafts: false`)",
+        "(arctic-inference). The default of every tenant that did not choose: a tenant's own setting (`PUT "
+        "/admin/tenant/drafts`, `on`/`off`/`default`) wins over it, and a `/v1` request's `drafts` field over both. "
+        "Off by default: with the chat's repetition penalty they gained nothing here (docs/benchmarks.md)",
     )
     engine_quantization: Literal["int8"] | None = Field(
         default=None,
