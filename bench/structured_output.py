@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.drafts:
-        return drafts_main(args, list(argv or []))
+        return drafts_main(args, list(sys.argv[1:] if argv is None else argv))
     args.out = args.out or DEFAULT_OUT
 
     texts = held_out_messages(args.data, max(args.prompts, args.batch))
@@ -218,11 +218,12 @@ def drafts_main(args: argparse.Namespace, argv: list[str]) -> int:
             s = r[side]
             acceptance = "–" if s["acceptance"] is None else f"{s['acceptance']:.0%}"
             per_step = "–" if side == "off" else f"{s['tokens_per_step']:.2f}"
-            rows.append(
-                [r["workload"], side, s["completion_tokens"], f"{s['decode_tokens_per_s']:.1f}", acceptance, per_step]
-            )
-        rows.append([r["workload"], "on / off", "", f"{r['speedup']:.2f}x", f"{r['mismatches']} mismatches", ""])
-    print(format_table(["workload", "drafts", "tokens", "decode tok/s", "acceptance", "tokens / step"], rows))
+            rate, median = f"{s['decode_tokens_per_s']:.1f}", f"{s['median_reply_decode_tokens_per_s']:.1f}"
+            rows.append([r["workload"], side, s["completion_tokens"], rate, median, acceptance, per_step])
+        speedup, paired = f"{r['speedup']:.2f}x", f"{r['paired_median_speedup']:.2f}x (paired)"
+        rows.append([r["workload"], "on / off", "", speedup, paired, f"{r['mismatches']} mismatches", ""])
+    heads = ["workload", "drafts", "tokens", "decode tok/s", "reply median", "acceptance", "tokens / step"]
+    print(format_table(heads, rows))
     payload = {
         "name": "structured_output_drafts",
         "command": "flock /tmp/kvchat-bench.lock " + reproduce_command("bench.structured_output", argv),
