@@ -1,14 +1,13 @@
 """What a turn's reply is made with, read once per turn: the tenant's reply settings (else the server's defaults)
-with its suffix-drafts choice, and, unless its tools are off (``tool_use`` ``none``), its enabled tools."""
+and, unless its tools are off (``tool_use`` ``none``), its enabled tools."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from backend.services import reply_settings, tenant_tools, tenants
+from backend.services import reply_settings, tenant_tools
 from backend.services.reply_settings import ReplySettings, ToolUse
 from backend.services.tenant_tools import ToolEndpoint
 
@@ -26,8 +25,6 @@ class ReplySetup:
 async def load(db: AsyncSession, tenant_id: str, defaults: ReplySettings) -> ReplySetup:
     """The tenant's setup (read only: safe to retry)."""
     settings = await reply_settings.load(db, tenant_id, defaults)
-    drafts = await tenants.drafts_of(db, tenant_id)
-    settings = dataclasses.replace(settings, drafts=drafts.wanted())
     if settings.tool_use is ToolUse.NONE:
         return ReplySetup(settings)
     return ReplySetup(settings, tuple(await tenant_tools.enabled_endpoints(db, tenant_id)))

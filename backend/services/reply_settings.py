@@ -1,6 +1,7 @@
 """A tenant's reply settings: how the bot samples (temperature, top-p, top-k, min-p), its penalties against loops,
 its stop strings, and how it uses the tenant's tools. No row means the server's defaults (``KVCHAT_REPLY_*``), so a
-change of the defaults reaches every tenant that never set its own."""
+change of the defaults reaches every tenant that never set its own. ``load`` adds the tenant's suffix-drafts choice
+(``tenants.drafts``), which every reply's parameters carry."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import enum
 import json
 from dataclasses import dataclass
 
-from sqlalchemy import delete
+from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from backend.core.config import Settings
 from backend.core.errors import InvalidReplySettingsError
-from backend.db.models import TenantReplySettings
+from backend.db.models import Tenant, TenantReplySettings
+from backend.domain import DraftsSetting
 from backend.engine_client.values import InvalidSamplingParamsError, SamplingParams, StructuredOutput
 
 
@@ -37,8 +39,8 @@ class ReplySettings:
     frequency_penalty: float = 0.0
     stop: tuple[str, ...] = ()
     tool_use: ToolUse = ToolUse.AUTO
-    # NOTE: not a reply-settings column: the tenant's suffix-drafts choice (``tenants.drafts``, read beside these by
-    # ``backend/chat/reply_setup.py``), carried here so every reply's parameters take it. None: the engine's switch.
+    # NOTE: not a reply-settings column: the tenant's suffix-drafts choice (``tenants.drafts``, which ``load`` reads
+    # beside these), carried here so every reply's parameters take it. None: the engine's switch.
     drafts: bool | None = None
 
     def params(self, max_tokens: int, structured: StructuredOutput | None = None) -> SamplingParams:
@@ -84,10 +86,19 @@ async def has_own(db: AsyncSession, tenant_id: str) -> bool:
 
 
 async def load(db: AsyncSession, tenant_id: str, defaults: ReplySettings) -> ReplySettings:
-    """The tenant's settings, else ``defaults``."""
-    row = await db.get(TenantReplySettings, tenant_id)
+    """The tenant's settings, else ``defaults``; with its suffix-drafts choice (``tenants.drafts``) either way.
+
+    NOTE: one statement for both (the tenant's row joined to its settings' row): a turn reads them on its path.
+    """
+    found = await db.execute(
+        select(Tenant.drafts, TenantReplySettings)
+        .outerjoin(TenantReplySettings, TenantReplySettings.tenant_id == Tenant.id)
+        .where(Tenant.id == tenant_id)
+    )
+    drafts, row = found.first() or (DraftsSetting.DEFAULT, None)
+    wanted = DraftsSetting(drafts).wanted()
     if row is None:
-        return defaults
+        return dataclasses.replace(defaults, drafts=wanted)
     return ReplySettings(
         temperature=row.temperature,
         top_p=row.top_p,
@@ -98,6 +109,7 @@ async def load(db: AsyncSession, tenant_id: str, defaults: ReplySettings) -> Rep
         frequency_penalty=row.frequency_penalty,
         stop=tuple(json.loads(row.stop)),
         tool_use=ToolUse(row.tool_choice),
+        drafts=wanted,
     )
 
 

@@ -157,12 +157,6 @@ async def set_v1_contact_guard(db: AsyncSession, tenant_id: str, enabled: bool) 
     return tenant
 
 
-async def drafts_of(db: AsyncSession, tenant_id: str) -> DraftsSetting:
-    """The tenant's suffix-drafts choice (``default`` for a tenant that is gone: its turn fails elsewhere)."""
-    value = await db.scalar(select(Tenant.drafts).where(Tenant.id == tenant_id))
-    return DraftsSetting(value or DraftsSetting.DEFAULT)
-
-
 async def set_drafts(db: AsyncSession, tenant_id: str, drafts: DraftsSetting) -> Tenant:
     tenant = await get_tenant(db, tenant_id)
     tenant.drafts = drafts.value
