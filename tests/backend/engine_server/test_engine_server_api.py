@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -16,6 +17,8 @@ from backend.engine_client.remote import RemoteEngine
 from backend.engine_client.values import DEFAULT_SHARE, FairShare, SamplingParams, TokenizedPrompt
 from backend.engine_server.app import create_engine_app
 from engine.llm_engine import LLMEngine
+from engine.spec import suffix_drafts
+from support.engines import make_engine, one_intra_op_thread
 
 pytestmark = pytest.mark.anyio
 SECRET = "engine-test-secret"
@@ -227,3 +230,32 @@ async def test_the_tenants_fair_share_travels_to_the_engine(tiny_engine: LLMEngi
         FairShare("b", 1.0),
     )
     assert sent["kvchat"]["share"] == {"tenant": "b", "weight": 1.0}
+
+
+@pytest.mark.skipif(not suffix_drafts.available(), reason="needs the spec extra (arctic-inference)")
+async def test_the_tenants_drafts_choice_travels_to_the_engine(tiny_model_dir: Path) -> None:
+    """With the engine's switch on, a request the backend sends with ``drafts: false`` (a tenant with drafts off)
+    verifies none, as its stats show; one that says nothing follows the switch."""
+    with one_intra_op_thread():
+        engine = make_engine(tiny_model_dir, drafts=True)
+        await engine.start()
+        engine.core.scheduler.draft_limit = lambda decoding: 8
+        sent = RemoteEngine._body(  # (what the backend's client sends)
+            cast(RemoteEngine, SimpleNamespace(model="m")),
+            TokenizedPrompt([5, 6, 7, 8, 9, 10, 11, 12] * 4),
+            SamplingParams(max_tokens=32, drafts=False),
+            "ns",
+            None,
+            DEFAULT_SHARE,
+        )
+        assert sent["kvchat"]["sampling"]["drafts"] is False
+        sent["stream"] = False  # (one JSON answer to read the stats from)
+        app = create_engine_app(engine, SECRET, owns_engine=False)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine") as http:
+            off = await http.post("/v1/completions", json=sent, headers=AUTH)
+            del sent["kvchat"]["sampling"]["drafts"]
+            default = await http.post("/v1/completions", json=sent, headers=AUTH)
+        await engine.stop()
+    assert off.json()["kvchat"]["stats"]["drafted_tokens"] == 0
+    assert default.json()["kvchat"]["stats"]["drafted_tokens"] > 0
+    assert default.json()["choices"][0]["token_ids"] == off.json()["choices"][0]["token_ids"]
