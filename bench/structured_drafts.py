@@ -85,6 +85,8 @@ class Side:
             "accepted_tokens": accepted,
             "acceptance": accepted / drafted if drafted else None,
             "tokens_per_step": sum(s.completion_tokens for s in stats) / steps if steps else None,
+            # the steps after each reply's first token (the decode rate's own steps)
+            "decode_tokens_per_step": tokens / (steps - len(stats)) if steps > len(stats) else None,
         }
 
 

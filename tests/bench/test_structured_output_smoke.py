@@ -33,3 +33,4 @@ def test_drafts_off_and_on_are_compared_on_both_workloads(tiny_model_dir: Path, 
         assert w["off"]["drafted_tokens"] == 0  # the off side asked for none
         assert w["mismatches"] == 0  # greedy: drafts never change a reply
         assert w["paired_median_speedup"] > 0
+        assert w["off"]["decode_tokens_per_step"] == 1.0
