@@ -73,7 +73,7 @@ async def test_the_context_a_turn_planned_with_is_what_reading_it_again_gives(
                     db, session_id, message.seq, REPLY, MessageStatus.COMPLETE, store.TokenUsage()
                 )
             await context.observe_reply(stored, reply, plan.observation.update.epoch)
-        assert plan.observation.update.shift and plan.context.epoch == 1
+        assert plan.observation is not None and plan.observation.update.shift and plan.context.epoch == 1
     finally:
         await db_engine.dispose()
 
