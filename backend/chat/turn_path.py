@@ -160,9 +160,18 @@ class TurnPath:
             return  # attached: this socket already receives the session's deltas
         status = stored.before if stored.duplicate else await self._after_customer_message(stored)  # 4
         if status == SessionStatus.BOT_ACTIVE:  # 5
-            turn = Turn(session_id, tenant.id, frame.client_msg_id, message.seq, stored.context)
-            turn.message, turn.setup, turn.observe = message, stored.setup, not stored.duplicate
-            turn.handoff, turn.read_again = stored.handoff, stored.read_again
+            turn = Turn(
+                session_id,
+                tenant.id,
+                frame.client_msg_id,
+                message.seq,
+                stored.context,
+                message=message,
+                setup=stored.setup,
+                handoff=stored.handoff,
+                observe=not stored.duplicate,
+                read_again=stored.read_again,
+            )
             self._turns.start(turn, self._run)
         elif status == stored.before:
             # NOTE: tell the sender no bot reply is coming (a status change was already published to everyone).
