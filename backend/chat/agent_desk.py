@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -54,8 +53,6 @@ _OUTCOMES = {
 }
 WAITING = frozenset({SessionStatus.AGENT_REQUESTED, SessionStatus.AGENT_ACTIVE})
 
-OnChange = Callable[[str], None]  # a session's stored messages changed (the context layer's cached read is stale)
-
 
 def entry_frame(e: QueueEntry) -> InboxEntry:
     return InboxEntry(
@@ -78,12 +75,10 @@ class AgentDesk:
         self,
         sessionmaker: async_sessionmaker[AsyncSession],
         hub: SessionHub,
-        changed: OnChange,
         metrics: AgentMetrics | None = None,
     ) -> None:
         self._sm = sessionmaker
         self._hub = hub
-        self._changed = changed
         self._metrics = metrics
         self._settings: dict[str, tuple[float, HandoffSettings]] = {}  # tenant -> (read at, settings)
 
@@ -118,8 +113,9 @@ class AgentDesk:
         if status == SessionStatus.AGENT_REQUESTED:
             await self._announce_places(tenant_id, only=message.session_id)
 
-    async def handoff_settings(self, tenant_id: str) -> HandoffSettings:
-        """The tenant's hand-off settings, read at most every ``SETTINGS_TTL_S`` per process.
+    async def handoff_settings(self, tenant_id: str, db: AsyncSession | None = None) -> HandoffSettings:
+        """The tenant's hand-off settings, read at most every ``SETTINGS_TTL_S`` per process (in ``db`` when given:
+        the transaction that stores the turn's message).
 
         NOTE: read before a turn runs, from memory mostly: the check after the reply then touches the database only
         for a tenant that turned the bot's own hand-offs on. A change reaches every worker within the TTL.
@@ -129,8 +125,11 @@ class AgentDesk:
         if known is not None and now - known[0] < SETTINGS_TTL_S:
             return known[1]
         try:
-            async with self._sm() as db:
+            if db is not None:
                 settings = await handoff_settings.load(db, tenant_id)
+            else:
+                async with self._sm() as own:
+                    settings = await handoff_settings.load(own, tenant_id)
         except Exception:  # NOTE: the turn goes on (without the bot's own hand-offs) when the read fails
             log.exception("reading the hand-off settings of %s failed", tenant_id)
             return known[1] if known is not None else HandoffSettings()
@@ -223,7 +222,6 @@ class AgentDesk:
         message = stored.message
         if self._metrics is not None and stored.first_reply_s is not None:
             self._metrics.first_reply.observe(stored.first_reply_s)
-        self._changed(session_id)
         frame = AgentMessageFrame(
             session_id=session_id, seq=message.seq, agent_name=actor.name, text=text, created_at=message.created_at
         )

@@ -15,14 +15,17 @@ Turn semantics:
   the rest are stored with exactly the text published to the sockets, marked ``incomplete``;
 * turns of one session run one at a time, in order; tokenizing runs in a worker thread, off the event loop, once per
   turn: the engine runs the tokenized prompt;
-* a turn reads the session's context from the database once: the read its message was observed with, reused while
-  nothing else of the session was stored since (``ContextService.is_current``);
+* a turn reads the session's context from the database once, in the transaction that stores its message, under the
+  session's lock (read again only when another turn of the session was in flight at that read); nothing about a
+  session's context is kept per process but the previous prompt (what an epoch drop frees);
 * the context layer (``backend/services/context_service.py``) splits every stored message into blocks and moves the
   session's topic; the prompt is the context builder's, under the tenant's history policy; when it drops an epoch the
-  previous prompt had, the engine frees those cached blocks. A failure there never costs the customer the reply.
+  previous prompt had, the engine frees those cached blocks. That bookkeeping is stored beside the prefill and
+  awaited before the reply is stored; a failure there never costs the customer the reply.
 
-The parts: this module decides what a message starts; ``backend/chat/turn.py`` runs a turn to its stored reply;
-``backend/chat/turns.py`` keeps the turns in flight and drains them.
+The parts: this module keeps the sessions (open, status, cache, drain); ``backend/chat/turn_path.py`` is a message's
+whole path, from its frame to the stored reply, top to bottom; ``backend/chat/turns.py`` keeps the turns in flight
+and drains them.
 """
 
 from __future__ import annotations
@@ -35,27 +38,21 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.chat.agent_desk import WAITING, AgentDesk
 from backend.chat.hub import Send, SessionHub
-from backend.chat.prompt import ChatMessage, asks_for_human
 from backend.chat.protocol import (
     Hello,
     InFlight,
-    MessageAck,
-    MessageCompleted,
     MessageOut,
     SessionStatusFrame,
-    SessionTopicFrame,
     Topic,
     UserMessage,
     Welcome,
 )
-from backend.chat.turn import ReplyConfig, TurnRunner
-from backend.chat.turn_state import Turn
+from backend.chat.turn import ReplyConfig
+from backend.chat.turn_path import TurnPath
 from backend.chat.turns import DrainReport, Turns
-from backend.context.builder import prefix_segments
 from backend.core.agent_metrics import AgentMetrics
-from backend.core.errors import MessageTooLongError, SessionClosedError, ShuttingDownError
+from backend.core.errors import ShuttingDownError
 from backend.core.metrics import Metrics
-from backend.core.offload import run_cpu
 from backend.db.models import Message, Tenant
 from backend.domain import HandoffReason, InvalidationReason, MessageRole, MessageStatus, SessionStatus
 from backend.engine_client.protocol import EngineClient
@@ -63,7 +60,7 @@ from backend.engine_client.values import ErasureResult
 from backend.services import agents
 from backend.services import sessions as store
 from backend.services.agents import ADMIN_NAME
-from backend.services.context_service import SYSTEM_ACTOR, ContextService, SessionContext
+from backend.services.context_service import SYSTEM_ACTOR, ContextService
 from backend.services.key_lookup import KeyLookup
 
 log = logging.getLogger("kvchat.chat")
@@ -101,11 +98,21 @@ class ChatService:
         self.context = context
         self.hub = hub
         self.keys = KeyLookup(sessionmaker, hub.keys)  # chat tokens, looked up once per burst (hello, /v1)
-        self._metrics = metrics
         # human agents (backend/chat/agent_desk.py)
-        self.desk = AgentDesk(sessionmaker, hub, context.changed, AgentMetrics(metrics.registry) if metrics else None)
-        self._runner = TurnRunner(sessionmaker, engine, context, hub, reply or ReplyConfig(), metrics, commit_delay_s)
+        self.desk = AgentDesk(sessionmaker, hub, AgentMetrics(metrics.registry) if metrics else None)
         self._turns = Turns(engine)
+        self._path = TurnPath(
+            sessionmaker,
+            engine,
+            context,
+            hub,
+            self.desk,
+            self._turns,
+            self.set_status,
+            reply or ReplyConfig(),
+            metrics,
+            commit_delay_s,
+        )
 
     @property
     def block_size(self) -> int:
@@ -114,7 +121,7 @@ class ChatService:
 
     @property
     def reply(self) -> ReplyConfig:
-        return self._runner.reply
+        return self._path.reply
 
     @property
     def accepting(self) -> bool:
@@ -241,83 +248,7 @@ class ChatService:
         if not self._turns.accepting:
             raise ShuttingDownError("the server is restarting; send the message again once reconnected")
         with self._turns.submitting():
-            await self._check_answerable(tenant.id, _prefix_text(tenant), frame.text)
-            await self._store_and_start(tenant, session_id, frame, reply_to)
-
-    async def _store_and_start(self, tenant: Tenant, session_id: str, frame: UserMessage, reply_to: Send) -> None:
-        async with self._sm() as db:
-            # NOTE: locked first (a write: SQLite's write lock, Postgres's row lock), so the status read is the one the
-            # message is stored under; a closed session or a duplicate leaves by the rollback.
-            session = await store.lock_session(db, tenant.id, session_id)
-            if session.status == SessionStatus.CLOSED.value:
-                raise SessionClosedError("this session is closed; start a new one")
-            before = SessionStatus(session.status)
-            message, duplicate = await store.add_user_message(
-                db, session_id, frame.client_msg_id, frame.text, _bot_answers(before, frame.text), locked=session
-            )
-            reply = await store.find_reply(db, session_id, message.seq) if duplicate else None
-        if not duplicate:
-            self.context.changed(session_id)
-        reply_to(MessageAck(client_msg_id=frame.client_msg_id, seq=message.seq, duplicate=duplicate))
-        if self._metrics is not None and not duplicate:
-            self._metrics.messages.labels(MessageRole.USER.value).inc()
-        if reply is not None:
-            reply_to(_completed_from_stored(frame.client_msg_id, reply))
-            return
-        if self._turns.get(session_id, frame.client_msg_id) is not None:
-            return  # attached: this socket already receives the session's deltas
-        context = None if duplicate else await self._observe_customer(tenant.id, session_id, message)
-        status = before if duplicate else await self._after_customer_message(session_id, before, frame.text)
-        if status == SessionStatus.BOT_ACTIVE:
-            if duplicate:  # a retry restarts a turn that left no reply (busy, an error): it is owed one again
-                async with self._sm() as db:
-                    await store.await_reply(db, message)
-            turn = Turn(session_id, tenant.id, frame.client_msg_id, message.seq, context)
-            self._turns.start(turn, self._run_turn)
-        elif status == before:
-            # NOTE: tell the sender no bot reply is coming (a status change was already published to everyone).
-            reply_to(SessionStatusFrame(session_id=session_id, status=status.value))
-            if status in WAITING and not duplicate:
-                await self.desk.customer_wrote(tenant.id, message, status)
-
-    async def _run_turn(self, turn: Turn) -> None:
-        settings = await self.desk.handoff_settings(turn.tenant_id)
-        await self._runner.run(turn)
-        await self.desk.after_bot_turn(settings, turn.session_id, turn.user_seq)
-
-    async def _observe_customer(self, tenant_id: str, session_id: str, message: Message) -> SessionContext | None:
-        """Split the message, move the topic; announce a topic shift to every socket of the session. Returns the
-        session's context as it stands after (the turn's prompt starts from it), or None when the layer failed."""
-        try:
-            observed = await self.context.observe_customer(tenant_id, session_id, message)
-        except Exception:
-            # NOTE: the context layer is bookkeeping around the turn: when it fails, the customer still gets a reply
-            # (the message joins the history unsplit, in the epoch of the message before it).
-            log.exception("the context layer failed on message %s/%d", session_id, message.seq)
-            return None
-        update = observed.update
-        if update.shift:
-            topic = Topic(epoch=update.epoch, temperature=update.temperature)
-            self.hub.publish(session_id, SessionTopicFrame(session_id=session_id, seq=message.seq, topic=topic))
-        return observed.context
-
-    async def _check_answerable(self, tenant_id: str, system_prompt: str, text: str) -> None:
-        """Refuse a message that could never be answered: with the system prompt and a reply it exceeds the budget."""
-        messages = [*_system(system_prompt), {"role": MessageRole.USER.value, "content": text}]
-        floor, budget = self._engine.prompt_token_floor(m["content"] for m in messages), self._runner.budget
-        if floor > budget:  # NOTE: too long by its length alone: no need to spend the CPU on tokenizing it
-            raise MessageTooLongError(floor, budget, at_least=True)
-        tokens = len(await run_cpu(tenant_id, self._engine.tokenize, messages))
-        if tokens > budget:
-            raise MessageTooLongError(tokens, budget)
-
-    async def _after_customer_message(self, session_id: str, status: SessionStatus, text: str) -> SessionStatus:
-        if status == SessionStatus.RESOLVED:
-            status = SessionStatus.BOT_ACTIVE  # a customer reply reopens a resolved session
-            await self.set_status(session_id, status)
-        if status == SessionStatus.BOT_ACTIVE and asks_for_human(text):
-            status = await self.desk.handoff(session_id, HandoffReason.CUSTOMER_ASKED)
-        return status
+            await self._path.submit(tenant, session_id, frame, reply_to)
 
     def cancel(self, session_id: str, client_msg_id: str | None) -> bool:
         """Stop a reply (``client_msg_id``'s, else the session's in flight): it is stored ``cancelled``."""
@@ -332,28 +263,3 @@ class ChatService:
     async def wait_idle(self) -> None:
         """Wait for every turn in flight to finish (tests)."""
         await self._turns.wait_idle()
-
-
-def _bot_answers(status: SessionStatus, text: str) -> bool:
-    """Whether a new customer message starts a bot turn (mirrors ``ChatService._after_customer_message``)."""
-    return status in (SessionStatus.BOT_ACTIVE, SessionStatus.RESOLVED) and not asks_for_human(text)
-
-
-def _prefix_text(tenant: Tenant) -> str:
-    """The text of the tenant's part 1 (system prompt and policy), as the context builder renders it."""
-    return "".join(s.text for s in prefix_segments(tenant.system_prompt, tenant.policy_text))
-
-
-def _system(system_prompt: str) -> list[ChatMessage]:
-    return [{"role": MessageRole.SYSTEM.value, "content": system_prompt}] if system_prompt else []
-
-
-def _completed_from_stored(client_msg_id: str, reply: Message) -> MessageCompleted:
-    return MessageCompleted(
-        client_msg_id=client_msg_id,
-        seq=reply.seq,
-        text=reply.content,
-        status=reply.status,
-        finish_reason="replayed",
-        usage=None,
-    )

@@ -1,5 +1,5 @@
 """A bot turn in flight: which message it answers, the engine request it runs, what it has published so far, and
-whether it was cancelled or cut off (``backend/chat/turns.py`` keeps them; ``backend/chat/turn.py`` runs them)."""
+whether it was cancelled or cut off (``backend/chat/turns.py`` keeps them; ``backend/chat/turn_path.py`` runs them)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import uuid
 from dataclasses import dataclass, field
 
 from backend.chat.protocol import Topic
+from backend.chat.reply_setup import ReplySetup
 from backend.context.contact_guard import ContactGuard
+from backend.db.models import Message
 from backend.services.context_service import SessionContext
+from backend.services.handoff_settings import HandoffSettings
 
 
 def new_request_id() -> str:
@@ -22,7 +25,12 @@ class Turn:
     tenant_id: str
     client_msg_id: str
     user_seq: int
-    context: SessionContext | None = None  # read when the message was observed (reused while it is current)
+    context: SessionContext | None = None  # read with the message, under the session's lock (None: read in the turn)
+    message: Message | None = None  # the customer message it answers, as stored
+    setup: ReplySetup | None = None  # the tenant's reply settings and tools, read with the context
+    handoff: HandoffSettings | None = None  # the tenant's hand-off settings, read with the context
+    observe: bool = True  # the message is new: the turn observes it (topic, blocks); a retry's was observed before
+    read_again: bool = False  # another turn of the session was in flight at the read: it may store after it
     namespace: str = ""  # the tenant's cache namespace, read with the turn's context (backend/core/namespaces.py)
     # NOTE: the engine request running now (a turn that calls tools runs one per step): what a cancel aborts.
     request_id: str = field(default_factory=new_request_id)

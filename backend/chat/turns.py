@@ -1,7 +1,7 @@
 """The turns in flight: at most one per message, one at a time per session (in the order they were started), and how
 they end on shutdown (``drain``).
 
-Used on the event loop only. ``backend/chat/turn.py`` runs each turn; this module keeps them.
+Used on the event loop only. ``backend/chat/turn_path.py`` runs each turn; this module keeps them.
 """
 
 from __future__ import annotations

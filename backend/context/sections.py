@@ -19,6 +19,11 @@ message whose best section scores at least ``min_score`` picks it (and the runne
 ``switch_margin`` (no flapping turn to turn). Replaying the epoch gives the same choice in every worker, with nothing
 stored but the result (``topic_history.sections``, for the admin API and the dashboard).
 
+NOTE: a grown query's sentence vector is the mean of its messages' vectors (unit-scaled), not the vector of the
+joined text: each message is encoded once and then found in the embedder's cache, where the joined text was a new
+text every turn (one MiniLM pass over the whole epoch per customer message). A one-message query's vector is the
+message's own, so a single request ranks exactly as before; BM25 still reads the joined text (it costs little).
+
 Pure: no database, no engine.
 """
 
@@ -104,10 +109,24 @@ class SectionIndex:
             out = bm25s.tokenize(texts, stopwords="en", stemmer=self._stemmer, return_ids=False, show_progress=False)
         return [list(t) for t in out]
 
-    def scores(self, query: str, bm25_weight: float, example_weight: float = 0.0, group_weight: float = 0.0) -> Array:
+    def embed(self, texts: Sequence[str]) -> Array | None:
+        """The texts' sentence vectors (one row each), or None when the index ranks without vectors."""
+        if self._heads is None or self._embedder is None or not texts:
+            return None
+        return self._embedder.embed(texts)
+
+    def scores(
+        self,
+        query: str,
+        bm25_weight: float,
+        example_weight: float = 0.0,
+        group_weight: float = 0.0,
+        vector: Array | None = None,
+    ) -> Array:
         """Every section's score for ``query``: ``bm25_weight`` of BM25 and the rest head cosine (each in [0, 1]),
         plus ``example_weight`` times the examples' score and ``group_weight`` times its group's probability; scaled
-        so the best possible is 1."""
+        so the best possible is 1. ``vector``: the query's unit sentence vector when the caller has it (else it is
+        encoded here)."""
         n = len(self.sections)
         if n == 0 or not query.strip():
             return np.zeros(n, dtype=np.float32)
@@ -116,7 +135,8 @@ class SectionIndex:
         mixed = bm25_weight * _unit_max(lexical)
         total = bm25_weight
         if self._heads is not None and self._embedder is not None and bm25_weight < 1.0:
-            vector = self._embedder.embed([query])[0]
+            if vector is None:
+                vector = self._embedder.embed([query])[0]
             mixed = mixed + (1.0 - bm25_weight) * _min_max(self._heads @ vector)
             total = 1.0
             if self._examples is not None and example_weight > 0:
@@ -130,9 +150,14 @@ class SectionIndex:
         return mixed / total if total > 0 else mixed
 
     def ranked(
-        self, query: str, bm25_weight: float, example_weight: float = 0.0, group_weight: float = 0.0
+        self,
+        query: str,
+        bm25_weight: float,
+        example_weight: float = 0.0,
+        group_weight: float = 0.0,
+        vector: Array | None = None,
     ) -> list[Ranked]:
-        scores = self.scores(query, bm25_weight, example_weight, group_weight)
+        scores = self.scores(query, bm25_weight, example_weight, group_weight, vector)
         return [Ranked(int(i), float(scores[i])) for i in np.argsort(-scores, kind="stable")]
 
 
@@ -140,9 +165,12 @@ def choose(index: SectionIndex, messages: Sequence[str], settings: ChoiceSetting
     """The sections (positions, best first; at most two) for an epoch whose customer messages are ``messages``."""
     chosen: tuple[int, ...] = ()
     query = ""
-    for message in messages:
+    vectors = index.embed(messages) if settings.bm25_weight < 1.0 else None  # (cached: only a new message encodes)
+    for n, message in enumerate(messages):
         query = f"{query}\n{message}" if query else message
-        ranked = index.ranked(query, settings.bm25_weight, settings.example_weight, settings.group_weight)
+        vector = None if vectors is None else vectors[0] if n == 0 else _unit(vectors[: n + 1].mean(axis=0))
+        weights = (settings.bm25_weight, settings.example_weight, settings.group_weight)
+        ranked = index.ranked(query, *weights, vector=vector)
         if not ranked or ranked[0].score < settings.min_score:
             continue
         best = ranked[0]
@@ -156,6 +184,11 @@ def choose(index: SectionIndex, messages: Sequence[str], settings: ChoiceSetting
         else:
             chosen = (best.index,)
     return chosen
+
+
+def _unit(x: Array) -> Array:
+    norm = float(np.linalg.norm(x))
+    return (x / norm).astype(np.float32) if norm > 0 else x
 
 
 def _unit_max(x: Array) -> Array:

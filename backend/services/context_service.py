@@ -1,12 +1,16 @@
 """The context layer of a chat turn: what the chat service asks of it, between the database and the engine.
 
-- ``observe_customer``: split a stored customer message into blocks (the tenant's rules, compiled once and again only
-  when they change), move the session's topic (semantic temperature, epoch, a history row), choose the topic's
-  handbook section(s) (``backend/context/sections.py``, replayed over the epoch's customer messages) and store it all;
+- ``load``: what a turn reads of the session (five queries, in the caller's transaction: the chat reads it in the
+  one that stores the customer's message, ``backend/chat/turn_path.py``);
+- ``plan`` (a worker thread, once per turn): observe the customer's message — split it into blocks (the tenant's
+  rules, compiled once and again only when they change), move the session's topic (semantic temperature, epoch),
+  choose the topic's handbook section(s) (``backend/context/sections.py``, replayed over the epoch's customer
+  messages) — and ``prepare`` the turn's engine request, built by ``backend/context/builder.py`` under the tenant's
+  history policy, and its token ids;
+- ``record_customer``: store what ``plan`` observed (the blocks, a topic history row; the engine's temperature hint);
+  ``observe_customer``: both, for a message no bot turn answers (a person holds the session);
 - ``observe_reply``: split a stored reply into blocks of the epoch of the message it answers (and let the topic
   scorer embed it, off the path of the customer's next message);
-- ``load`` + ``prepare``: the turn's engine request, built by ``backend/context/builder.py`` under the tenant's
-  history policy, and its token ids;
 - ``invalidate_dropped``: when the prompt drops an epoch the previous turn's prompt had, free the session's cached
   blocks from the first token that changed (``EngineClient.invalidate``) and store the event;
 - ``pinned_context_edited``: after an admin edited the session's pinned context, free its cached blocks from the
@@ -18,6 +22,11 @@ Every engine call carries the session's cache namespace, derived on the server f
 an admin's edit reaches the very next turn of every open session.
 
 Each database step is one short session; splitting, similarity and tokenizing run in worker threads.
+
+NOTE: no version of a session's context lives in this process: a turn's context is read under the session's lock,
+with its message, so it is current by construction, whichever worker stored the session's earlier messages. What a
+later read would add is written after the read, by this turn or another (``backend/chat/turn_path.py`` reads again
+when its turn waited behind another of the session).
 """
 
 from __future__ import annotations
@@ -26,23 +35,20 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from backend.context.blocks import Block, BlockKey
+from backend.context.blocks import Block
 from backend.context.builder import (
     SHARED_TYPES,
-    BuiltContext,
     ContextRequest,
     DropReason,
     build_context,
 )
-from backend.context.rules import RuleSet
 from backend.context.sections import ChoiceSettings, SectionIndex, choose
 from backend.context.splitter import Splitter
-from backend.context.topic import TopicState, TopicTracker, TopicUpdate, identifier_keys
+from backend.context.topic import TopicState, TopicTracker, identifier_keys
 from backend.core.errors import SessionNotFoundError, TenantNotFoundError
 from backend.core.namespaces import Namespaces
 from backend.core.offload import run_cpu
@@ -55,6 +61,7 @@ from backend.services import sessions as store
 from backend.services.context_history import epochs_of, history_message, in_order
 from backend.services.context_store import ContextSettings, RuleSetCache
 from backend.services.handbook import HandbookCache
+from backend.services.session_context import LastPrompt, Observation, Plan, PreparedPrompt, SessionContext
 from backend.services.shared_scorer import shared_scorer
 from backend.tools.family import detect_family
 from backend.tools.prompt import offer
@@ -64,95 +71,6 @@ from backend.tools.types import ToolFamily, ToolSpec
 DEFAULT_POLICY_BUDGET_TOKENS = 1024
 SYSTEM_ACTOR = "system"
 log = logging.getLogger("kvchat.context")
-
-
-@dataclass(frozen=True, slots=True)
-class SessionContext:
-    """What one turn reads from the database: one short session, five queries whatever the history's length."""
-
-    tenant_id: str
-    session_id: str
-    namespace: str  # the engine cache namespace of the tenant (backend/core/namespaces.py)
-    system_prompt: str
-    policy_text: str
-    epoch: int  # the session's current topic epoch
-    temperature: float | None
-    pinned_context: str
-    messages: list[Message]
-    epochs: dict[int, int]  # seq → topic epoch, for every message
-    temperatures: dict[int, float]  # customer message seq → the temperature it left
-    blocks: list[Block]  # oldest first
-    block_ids: dict[BlockKey, int]
-    settings: ContextSettings
-    rules: RuleSet
-    version: int  # the session's change count when it was read (``ContextService.is_current``)
-    handbook: SectionIndex  # the tenant's handbook at its current version
-    sections: dict[int, tuple[str, ...]]  # customer message seq → the titles of the topic's sections after it
-
-    def sections_at(self, seq: int) -> tuple[str, ...]:
-        """The handbook sections of the topic of customer message ``seq`` (the latest choice at or before it)."""
-        earlier = [s for s in self.sections if s <= seq]
-        return self.sections[max(earlier)] if earlier else ()
-
-    def observed(
-        self,
-        seq: int,
-        update: TopicUpdate,
-        blocks: Sequence[Block],
-        ids: Sequence[int],
-        sections: tuple[str, ...] = (),
-    ) -> SessionContext:
-        """This context after customer message ``seq`` was observed (``update``, its ``blocks`` stored as ``ids``):
-        what reading it again would give, without reading it again."""
-        return dataclasses.replace(
-            self,
-            epoch=update.epoch,
-            temperature=update.temperature,
-            # NOTE: seq is the newest message in conversation order: no later one inherits its epoch.
-            epochs={**self.epochs, seq: update.epoch},
-            temperatures={**self.temperatures, seq: update.temperature},
-            blocks=[*self.blocks, *blocks],
-            block_ids={**self.block_ids, **{b.key: i for b, i in zip(blocks, ids, strict=True)}},
-            sections={**self.sections, seq: sections},
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Observation:
-    """A customer message observed: the topic update, and the session's context with the message's blocks."""
-
-    update: TopicUpdate
-    context: SessionContext
-    sections: tuple[str, ...] = ()  # the titles of the topic's handbook sections after the message
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedPrompt:
-    built: BuiltContext
-    tokenized: TokenizedPrompt  # what the engine runs (never tokenized again)
-    sent: SegmentedPrompt  # the built prompt with the tenant's tools offered: what ``tokenized`` holds
-    context_from: int  # the first token after the tenant's system prompt and policy: the session's own context
-    namespace: str
-    epoch: int  # the topic of the message the turn answers
-    temperature: float | None
-    sections: tuple[str, ...] = ()  # the handbook sections the prompt holds (their titles)
-
-    @property
-    def prompt(self) -> SegmentedPrompt:
-        return self.built.prompt
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.tokenized.token_ids
-
-
-@dataclass(frozen=True, slots=True)
-class LastPrompt:
-    """A session's latest prompt: what the next one is compared with."""
-
-    token_ids: list[int]
-    kept: frozenset[int]
-    context_from: int
 
 
 class ContextService:
@@ -170,29 +88,56 @@ class ContextService:
         self._handbooks = HandbookCache()
         self.choice = ChoiceSettings()
         self._policy_budget_tokens = policy_budget_tokens
-        # NOTE: in memory: after a restart the first turn of a session has nothing to compare with, and a drop then
-        # goes unnoticed; its blocks age out of the cache like any unused block.
+        # NOTE: in memory, per process, and that is enough: it only finds what an epoch drop leaves cached. After a
+        # restart, or when a session's previous turn ran on another worker, there is nothing (or something older) to
+        # compare with and a drop goes unnoticed: its blocks age out of the cache like any unused block.
         self._last: dict[str, LastPrompt] = {}
-        self._versions: dict[str, int] = {}  # session -> writes the chat announced (``changed``)
 
     # ------------------------------------------------------------------ messages
 
-    async def observe_customer(self, tenant_id: str, session_id: str, message: Message) -> Observation:
-        """Move the session's topic with a new customer message and store the message's blocks (committed).
+    def plan(
+        self,
+        ctx: SessionContext,
+        message: Message,
+        budget: int,
+        tools: Sequence[ToolSpec] = (),
+        observe: bool = True,
+    ) -> Plan:
+        """Observe customer ``message`` (unless ``observe`` is off: a retried message was observed already) and
+        prepare the prompt that answers it. Runs in a worker thread: the turn's one CPU step before the engine.
 
-        Returns the context as it stands after: the turn answering the message builds its prompt from it, unless
-        the session changed meanwhile (``is_current``).
-        """
+        NOTE: the context layer is bookkeeping around the turn: when observing fails, the customer still gets a reply
+        (the message joins the history unsplit, in the epoch of the message before it)."""
+        observation = None
+        if observe:
+            try:
+                observation = self._observe_customer(ctx, message)
+            except Exception:
+                log.exception("the context layer failed on message %s/%d", ctx.session_id, message.seq)
+        if observation is not None:
+            update = observation.update
+            ctx = ctx.observed(message.seq, update, observation.blocks, None, observation.sections)
+        return Plan(observation, ctx, self.prepare(ctx, message.seq, budget, tools))
+
+    async def record_customer(self, ctx: SessionContext, message: Message, observation: Observation) -> SessionContext:
+        """Store what ``plan`` observed of ``message`` (its blocks, a topic history row, the session's topic;
+        committed) and hint the engine; ``ctx`` is the plan's context. Returns it with the blocks' row ids."""
+        update, blocks = observation.update, observation.blocks
         async with self._sm() as db:
-            ctx = await self.load(db, tenant_id, session_id)
-        update, blocks, sections = await run_cpu(tenant_id, self._observe_customer, ctx, message)
-        async with self._sm() as db:
-            ids = await context_store.save_blocks(db, session_id, message.id, blocks, ctx.block_ids)
-            await context_store.record_topic(db, session_id, message.seq, update, sections)
+            ids = await context_store.save_blocks(db, ctx.session_id, message.id, blocks, ctx.block_ids)
+            await context_store.record_topic(db, ctx.session_id, message.seq, update, observation.sections)
             await db.commit()
         # NOTE: an eviction hint: when memory runs short, the engine lets a cold topic's blocks go first.
-        self._engine.set_session_temperature(session_id, update.temperature)
-        return Observation(update, ctx.observed(message.seq, update, blocks, ids, sections), sections)
+        self._engine.set_session_temperature(ctx.session_id, update.temperature)
+        return dataclasses.replace(
+            ctx, block_ids={**ctx.block_ids, **{b.key: i for b, i in zip(blocks, ids, strict=True)}}
+        )
+
+    async def observe_customer(self, ctx: SessionContext, message: Message) -> Observation:
+        """Observe and store a customer message no bot turn answers (``ctx``: read with it); returns the topic."""
+        observation = await run_cpu(ctx.tenant_id, self._observe_customer, ctx, message)
+        await self.record_customer(ctx, message, observation)
+        return observation
 
     async def observe_reply(self, ctx: SessionContext, message: Message, epoch: int) -> None:
         """Store a reply's blocks (once: a replayed reply already has them); ``ctx`` is the context its prompt was
@@ -211,12 +156,10 @@ class ContextService:
         shared_scorer(ctx.settings.topic.backend).prepare(message.content)
         return self._splitter(ctx).split(message.content, seq=message.seq, epoch=epoch, history=ctx.blocks)
 
-    def _observe_customer(
-        self, ctx: SessionContext, message: Message
-    ) -> tuple[TopicUpdate, list[Block], tuple[str, ...]]:
+    def _observe_customer(self, ctx: SessionContext, message: Message) -> Observation:
         update = self._tracker(ctx, message.seq).observe_customer(message.content)
         blocks = self._splitter(ctx).split(message.content, seq=message.seq, epoch=update.epoch, history=ctx.blocks)
-        return update, blocks, self._sections(ctx, message, update.epoch)
+        return Observation(update, tuple(blocks), self._sections(ctx, message, update.epoch))
 
     def _sections(self, ctx: SessionContext, message: Message, epoch: int) -> tuple[str, ...]:
         """The handbook sections for the epoch of ``message``: chosen over the epoch's customer messages in order."""
@@ -224,8 +167,8 @@ class ContextService:
             return ()
         texts = [
             m.content
-            for m in in_order(ctx.messages)
-            if m.role == MessageRole.USER.value and m.seq != message.seq and ctx.epochs.get(m.seq) == epoch
+            for m in _before(ctx.messages, message.seq)
+            if m.role == MessageRole.USER.value and ctx.epochs.get(m.seq) == epoch
         ]
         chosen = choose(ctx.handbook, [*texts, message.content], self.choice)
         return tuple(ctx.handbook.sections[i].title for i in chosen)
@@ -236,8 +179,8 @@ class ContextService:
         topic = ctx.settings.topic
         identify = identifier_keys(ctx.rules)
         state = TopicState(ctx.epoch, ctx.temperature)
-        for m in in_order(ctx.messages):
-            if m.seq == seq or not m.content or ctx.epochs[m.seq] != ctx.epoch:
+        for m in _before(ctx.messages, seq):
+            if not m.content or ctx.epochs[m.seq] != ctx.epoch:
                 continue
             if m.role == MessageRole.USER.value:
                 state.remember_customer(m.content, identify(m.content), topic.window)
@@ -253,22 +196,9 @@ class ContextService:
 
     # ------------------------------------------------------------------ the turn's prompt
 
-    def changed(self, session_id: str) -> None:
-        """The chat stored a message of the session: a context read before is no longer current."""
-        self._versions[session_id] = self._versions.get(session_id, 0) + 1
-
-    def is_current(self, ctx: SessionContext) -> bool:
-        """No message of ``ctx``'s session was stored since it was read (``changed``), nor its pinned context edited.
-
-        NOTE: an admin's edit of the tenant's system prompt or policy text is not counted: it reaches the next
-        context read, as it always did for a turn whose read came just before the edit.
-        """
-        return self._versions.get(ctx.session_id, 0) == ctx.version
-
     async def load(self, db: AsyncSession, tenant_id: str, session_id: str) -> SessionContext:
         """Everything a turn needs from the database (read only, so safe to retry): the session with its tenant and
         the tenant's settings, its messages, topic history and blocks, and the rules' version (five queries)."""
-        version = self._versions.get(session_id, 0)
         session, tenant, settings = await _session_and_tenant(db, tenant_id, session_id)
         messages = await store.messages_after(db, session_id, 0)
         history = await context_store.topic_history(db, session_id)
@@ -291,7 +221,6 @@ class ContextService:
             {block.key: block_id for block, block_id in rows},
             settings,
             await self._rules.get(db, tenant_id),
-            version,
             handbook,
             {row.message_seq: context_store.section_titles(row) for row in history},
         )
@@ -363,6 +292,15 @@ class ContextService:
         ``from_position`` is the first token where the two prompts differ: everything before it is still this
         prompt's prefix (the tenant's system prompt above all), so it stays cached.
         """
+        position = self.dropped_from(session_id, prepared)
+        if position is None:
+            return None
+        reason = InvalidationReason.EPOCH_DROPPED
+        return await self.invalidate(tenant_id, session_id, position, reason, SYSTEM_ACTOR, prepared.namespace)
+
+    def dropped_from(self, session_id: str, prepared: PreparedPrompt) -> int | None:
+        """Remember ``prepared`` as the session's latest prompt; the first token where it leaves the previous one when
+        it dropped an epoch the previous one had (what ``invalidate_dropped`` frees from), else None."""
         built = prepared.built
         previous = self._last.get(session_id)
         self._last[session_id] = LastPrompt(prepared.token_ids, frozenset(built.kept), prepared.context_from)
@@ -371,9 +309,7 @@ class ContextService:
         epoch_dropped = {d.seq for d in built.dropped if d.reason is DropReason.EPOCH}
         if not previous.kept & epoch_dropped:
             return None
-        position = common_prefix(previous.token_ids, prepared.token_ids)
-        reason = InvalidationReason.EPOCH_DROPPED
-        return await self.invalidate(tenant_id, session_id, position, reason, SYSTEM_ACTOR, prepared.namespace)
+        return common_prefix(previous.token_ids, prepared.token_ids)
 
     async def pinned_context_edited(self, tenant_id: str, session_id: str, actor: str) -> InvalidationResult:
         """Free the session's cached blocks that depend on its pinned context; store the event.
@@ -382,7 +318,6 @@ class ContextService:
         (or, when it was empty, is inserted): part 1's blocks stay, shared by every session. Without a prompt of this
         session in memory (a restart), the session's whole chain goes, save what other sessions share.
         """
-        self.changed(session_id)
         last = self._last.get(session_id)
         position = last.context_from if last is not None else 0
         return await self.invalidate(tenant_id, session_id, position, InvalidationReason.PINNED_CONTEXT_EDITED, actor)
@@ -430,7 +365,6 @@ class ContextService:
 
     def forget(self, session_id: str) -> None:
         self._last.pop(session_id, None)
-        self._versions.pop(session_id, None)
 
     def last_prompt(self, session_id: str) -> LastPrompt | None:
         return self._last.get(session_id)
@@ -438,6 +372,14 @@ class ContextService:
     def handbook_index(self, tenant_id: str) -> SectionIndex | None:
         """The tenant's handbook index as this process last built it (None before its first turn)."""
         return self._handbooks.current(tenant_id)
+
+
+def _before(messages: Sequence[Message], seq: int) -> list[Message]:
+    """The messages before message ``seq`` in conversation order (a turn that waited behind another of its session
+    reads the messages stored after its own too)."""
+    ordered = in_order(messages)
+    mine = next((n for n, m in enumerate(ordered) if m.seq == seq), len(ordered))
+    return ordered[:mine]
 
 
 async def _session_and_tenant(

@@ -35,7 +35,6 @@ def _context(messages: list[Message], pinned: str = "") -> SessionContext:
         block_ids={},
         settings=ContextSettings(),
         rules=RuleSet.compile(()),
-        version=0,
         handbook=SectionIndex([Section("Shipping", "Call the carrier at 800-555-0100.")]),
         sections={},
     )

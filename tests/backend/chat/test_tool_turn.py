@@ -111,7 +111,7 @@ async def run(
         turn = Turn("s1", tenant.id, "m1", 1)
         turn.guard = ContactGuard(grounding) if grounding is not None else None
         result = await tool_turn.run(turn, PROMPT, engine.tokenize_prompt(PROMPT), setup, family, 64, 1000)
-        streamer.settle(turn)  # (the turn's end: TurnRunner._store)
+        streamer.settle(turn)  # (the turn's end: TurnPath._store)
     finally:
         await db_engine.dispose()
     return result, turn, [f.text for f in frames], engine

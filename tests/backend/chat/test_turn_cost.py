@@ -1,9 +1,12 @@
-"""What one chat turn costs the backend: the prompt is tokenized once, and the context is read from the database once
-(issue 30), through a real server on SQLite and on Postgres.
+"""What one chat turn costs the backend: the prompt is tokenized once, the context is read from the database once
+(issue 30), in the one transaction that stores the message, before the prompt goes to the engine (issue 43), through
+a real server on SQLite and on Postgres.
 
 The counts are of one turn after the session's first (so the session has history, blocks and a topic), from the
-``user.message`` to its ``message.completed``. SQL statements are counted on the server's database engine, except
-the SQLite revocation poll's (``api_keys``: ``backend/services/revocation.py``), which runs on its own clock.
+``user.message`` to its ``message.completed``, and of what ran of it before the prompt reached the engine. SQL
+statements and commits are counted on the server's database engine, except the SQLite revocation poll's
+(``api_keys``: ``backend/services/revocation.py``) and the fair-share poll's (``tenant_fair_share``: ``main.py``),
+which run on their own clocks.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import websockets
 from sqlalchemy import event
 from test_ws_chat import TIMEOUT, Chat
 
+from backend.chat.reply_stream import ReplyStreamer
 from engine.llm_engine import LLMEngine
 from engine.tokenizer import Tokenizer
 from support.server import LiveServer, server_settings, serving
@@ -32,18 +36,38 @@ def live(db_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> Iterator[LiveSe
         yield server
 
 
-class Statements:
-    """The SQL statements the server runs, by kind (the first word), while ``counting``."""
+_POLLS = ("api_keys", "FROM tenant_fair_share")
 
-    def __init__(self) -> None:
+
+class Statements:
+    """The SQL statements (and commits) the server runs, by kind (the first word), while ``counting``; and how many
+    of each had run when the turn's prompt went to the engine (``ReplyStreamer.stream``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.counting = False
         self.seen: list[str] = []
+        self.commits = 0
+        self.before_engine: tuple[list[str], int] | None = None
         self._lock = threading.Lock()
+        stream = ReplyStreamer.stream
+
+        async def streamed(streamer: ReplyStreamer, *args: Any, **kwargs: Any) -> Any:
+            if self.counting:
+                with self._lock:
+                    self.before_engine = (list(self.seen), self.commits)
+            return await stream(streamer, *args, **kwargs)
+
+        monkeypatch.setattr(ReplyStreamer, "stream", streamed)
 
     def __call__(self, conn: Any, cursor: Any, statement: str, *_: Any) -> None:
-        if self.counting and "api_keys" not in statement:
+        if self.counting and not any(poll in statement for poll in _POLLS):
             with self._lock:
                 self.seen.append(statement)
+
+    def commit(self, conn: Any) -> None:
+        if self.counting:
+            with self._lock:
+                self.commits += 1
 
     def by_kind(self) -> Counter[str]:
         return Counter(s.split(None, 1)[0].upper() for s in self.seen)
@@ -84,9 +108,10 @@ async def _second_turn(live: LiveServer, statements: Statements, tokenizer: Toke
 async def test_a_turn_reads_its_context_once_and_tokenizes_its_prompt_once(
     live: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    statements = Statements()
+    statements = Statements(monkeypatch)
     tokenizer = TokenizerCalls(monkeypatch)
     event.listen(live.state.db_engine.sync_engine, "before_cursor_execute", statements)
+    event.listen(live.state.db_engine.sync_engine, "commit", statements.commit)
     done = await _second_turn(live, statements, tokenizer)
     assert done["status"] == "complete"
     # the context read: five queries (the session with its tenant and settings, messages, topic history, blocks,
@@ -96,18 +121,30 @@ async def test_a_turn_reads_its_context_once_and_tokenizes_its_prompt_once(
     assert statements.matching("JOIN tenants") == 1
     assert statements.matching("INSERT INTO invalidation_events") == 1
     assert statements.by_kind() == {
-        # submit 4: the session locked and read (update … returning); the client_msg_id lookup; the next seq; insert.
-        # observation 4: 2 blocks, the topic row, the session's topic (parents: from the context read, or each other).
+        # the message's transaction 9: the session locked and read (update … returning); the context (5); the reply
+        # setup (2: the tenant's reply settings, its tools); the message inserted (its seq and a retried
+        # client_msg_id: from the messages the context read). The hand-off settings: from memory (read at turn 1).
+        # bookkeeping, beside the prefill, 4: 2 blocks, the topic row, the session's topic.
         # reply 5: the session lock (1); its existing reply; the next seq; insert; the message settled.
-        # reply blocks 1: 1 block. The reply setup 2: the tenant's reply settings, its tools.
-        # (26 statements a turn before the locks returned their row and the context's block ids were reused)
+        # reply blocks 1: 1 block.
+        # (22 statements before issue 43: the client_msg_id lookup and the next seq were their own queries)
         # NOTE: + 1 insert: the tiny model's first reply is noise, which the retrained topic classifier (issue 40)
         # reads as the agent leaving the topic, so the second message opens an epoch and the dropped one's
         # invalidation is recorded (with a real reply it stays on topic: tests/backend/context/).
-        "SELECT": 11,
+        "SELECT": 9,
         "INSERT": 7,
         "UPDATE": 4,
     }
-    # the answerability check renders the customer's message with the system prompt; the prompt is rendered once
-    # (before issue 30: twice, the engine tokenizing the prepared prompt again)
-    assert tokenizer.calls == {"apply_chat_template": 1, "apply_chat_template_segments": 1}
+    assert statements.commits == 5  # the message; the invalidation; the bookkeeping; the reply; the reply's blocks
+    # before the prompt reached the engine: the message's transaction and, as an epoch was dropped, its invalidation
+    # (which must come first: it would unpublish this turn's blocks); before issue 43, 15 statements and 2 commits
+    # (and the invalidation's third)
+    assert statements.before_engine is not None
+    before, commits = statements.before_engine
+    assert (Counter(s.split(None, 1)[0].upper() for s in before), commits) == (
+        {"SELECT": 7, "INSERT": 2, "UPDATE": 1},
+        2,
+    )
+    # the prompt is rendered once; the answerability check rendered the tenant's system prompt at turn 1 and bounds
+    # this message by its length (before issue 43 it rendered the message with the system prompt every turn)
+    assert tokenizer.calls == {"apply_chat_template_segments": 1}

@@ -3,6 +3,10 @@ clearly beats it, at most two, none for an empty handbook or a message that matc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 from backend.context.handbook import Section
 from backend.context.sections import ChoiceSettings, SectionIndex, choose
 
@@ -53,3 +57,33 @@ def test_nothing_is_chosen_without_a_handbook_or_a_match() -> None:
     index = SectionIndex(SECTIONS)
     assert choose(index, ["hello there", "ok thanks"], LEXICAL) == ()
     assert index.scores("", 1.0).tolist() == [0.0, 0.0, 0.0]
+
+
+class CountingEmbedder:
+    """Unit vectors from letter counts (a real, deterministic embedder), recording every text it encodes."""
+
+    def __init__(self) -> None:
+        self.encoded: list[str] = []
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        self.encoded += texts
+        rows = np.array([[t.lower().count(c) + 0.01 for c in "abcdefghijklmnopqrstuvwxyz"] for t in texts], np.float32)
+        return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+def test_an_epoch_is_ranked_from_its_messages_vectors_never_from_the_joined_text() -> None:
+    embedder = CountingEmbedder()
+    index = SectionIndex(SECTIONS, embedder)
+    embedder.encoded.clear()
+    messages = ["I want a refund for a broken blender", "It arrived with a cracked jug.", "where is my parcel?"]
+    latest = ChoiceSettings(min_score=0.0, switch_margin=-1.0)  # (the latest query's best always wins)
+    chosen = choose(index, messages, latest)
+    assert embedder.encoded == messages  # one batch, the messages themselves (a cache serves them next turn)
+    vectors = embedder.embed(messages)
+    mean = vectors.mean(axis=0) / np.linalg.norm(vectors.mean(axis=0))
+    weights = (latest.bm25_weight, latest.example_weight, latest.group_weight)
+    assert chosen[0] == index.ranked("\n".join(messages), *weights, vector=mean)[0].index
+    # one message: its own vector, exactly what ranking the message alone gives
+    one = ChoiceSettings(min_score=0.0)
+    best = index.ranked(messages[0], one.bm25_weight, one.example_weight, one.group_weight)[0].index
+    assert choose(index, messages[:1], one)[0] == best

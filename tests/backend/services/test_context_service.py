@@ -41,9 +41,11 @@ REPLY = "I am sorry about that. Step 1: open your orders. Step 2: choose the par
 
 
 @pytest.mark.anyio
-async def test_the_context_a_message_was_observed_with_is_what_reading_it_again_gives(
+async def test_the_context_a_turn_planned_with_is_what_reading_it_again_gives(
     db_url: str, tiny_engine: LLMEngine
 ) -> None:
+    """The chat reads the context with the message, plans the turn from it (the message observed, the prompt
+    prepared) and stores the observation beside the prefill: the prompt is the one a read after the store gives."""
     db_engine = create_db_engine(db_url)
     maker = create_sessionmaker(db_engine)
     context = ContextService(maker, tiny_engine, Namespaces(b"test-secret"))
@@ -52,25 +54,26 @@ async def test_the_context_a_message_was_observed_with_is_what_reading_it_again_
         async with maker() as db:
             session_id = (await store.create_session(db, tenant_id)).id
             await db.commit()
+        budget = tiny_engine.prompt_limit - 16
         for n, text in enumerate([PARCEL, "Where is it now?", KETTLE]):  # the third starts a new topic epoch
             async with maker() as db:
+                read = await context.load(db, tenant_id, session_id)
+            async with maker() as db:
                 message, _ = await store.add_user_message(db, session_id, f"m{n}", text)
-            context.changed(session_id)
-            observed = await context.observe_customer(tenant_id, session_id, message)
+            plan = context.plan(read.with_message(message), message, budget)
+            assert plan.observation is not None
+            stored = await context.record_customer(plan.context, message, plan.observation)
             async with maker() as db:
                 again = await context.load(db, tenant_id, session_id)
-            assert context.is_current(observed.context)
-            assert _contents(observed.context) == _contents(again)
-            budget = tiny_engine.prompt_limit - 16
-            assert context.prepare(observed.context, message.seq, budget) == context.prepare(again, message.seq, budget)
+            assert _contents(stored) == _contents(again)
+            assert plan.prepared.token_ids == context.prepare(again, message.seq, budget).token_ids
+            assert context.prepare(stored, message.seq, budget) == context.prepare(again, message.seq, budget)
             async with maker() as db:
                 reply = await store.add_assistant_message(
                     db, session_id, message.seq, REPLY, MessageStatus.COMPLETE, store.TokenUsage()
                 )
-            context.changed(session_id)
-            assert not context.is_current(observed.context)
-            await context.observe_reply(observed.context, reply, observed.update.epoch)
-        assert observed.update.shift and observed.context.epoch == 1
+            await context.observe_reply(stored, reply, plan.observation.update.epoch)
+        assert plan.observation is not None and plan.observation.update.shift and plan.context.epoch == 1
     finally:
         await db_engine.dispose()
 
@@ -88,5 +91,5 @@ def _contents(ctx: SessionContext) -> tuple[object, ...]:
         ctx.blocks,
         ctx.block_ids,
         ctx.settings,
-        ctx.version,
+        ctx.last_seq,
     )

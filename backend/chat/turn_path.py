@@ -1,0 +1,485 @@
+"""A customer message's path, from its ``user.message`` frame to the stored reply, read top to bottom here.
+
+Each step names the module it runs in; the path enters each once and does not come back.
+
+``submit`` (the socket's reader waits on it, up to the ack):
+
+1. the message can be answered at all: system prompt + message + reply within the model's budget
+   (``answerable.py``; from its length alone for almost every message), else it is refused and nothing is stored;
+2. ONE transaction (``_store_and_read``): the session locked (``services/sessions.py``), its context read under the
+   lock (``services/context_service.py``: the session with its tenant and settings, messages, topic history,
+   blocks, the rules' version), a retried ``client_msg_id`` found among the messages read, else the message stored
+   (``awaiting_reply`` when the bot is to answer it), the tenant's reply settings and tools read (``reply_setup.py``)
+   and its hand-off settings (``agent_desk.py``, from memory mostly); one commit;
+3. the ack; a retry gets its stored reply replayed, or attaches to its turn in flight, or starts its turn again;
+4. the session's status after the message (``agent_desk.py``): a resolved session reopens; a request for a person
+   hands off; while a person holds the session, the message is observed (topic, blocks) and goes to the agents, and
+   no bot turn runs;
+5. the bot's turn queued (``turns.py``: one at a time per session, in order).
+
+``_run`` (the turn, a task):
+
+6. the context: the one step 2 read, or read again when another turn of the session was in flight at that read (it
+   stored its reply after it);
+7. ONE worker-thread step (``_plan``): the topic moved, the message split into blocks, the handbook section chosen,
+   the prompt built and tokenized (``ContextService.plan``), and the reply's grounding for the contact guard
+   (``grounding.py``);
+8. the prompt to the engine at once (``reply_stream.py``, or ``tool_turn.py`` when tools are offered); beside the
+   prefill, a task stores the bookkeeping (``_bookkeeping``: the message's blocks and topic row, the engine's
+   temperature hint). Only a prompt that dropped a topic epoch the previous one had waits first, for the engine to
+   free those cached blocks (``_free_dropped``);
+9. the bookkeeping awaited, then the reply stored (``_store``: ``complete``, ``cancelled`` or ``incomplete``, with
+   exactly the text published), its blocks stored, its completion published;
+10. the bot's own hand-off check (``agent_desk.py``).
+
+NOTE: the bookkeeping is awaited before the reply is stored, so the stored order is the order of a turn (message,
+its blocks and topic, the reply, its blocks), and the session's next turn (which waits for this one) reads it all. A
+crash after step 2 leaves the message ``awaiting_reply`` (``recover_interrupted`` marks it) and, possibly, without
+blocks or a topic row: it then joins the history unsplit, in the epoch of the message before it. The message's own
+segments reach the engine without their block row ids on this first prompt (the rows are written beside it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from backend.chat import reply_setup
+from backend.chat.agent_desk import WAITING, AgentDesk
+from backend.chat.answerable import Answerable
+from backend.chat.grounding import turn_grounding
+from backend.chat.hub import Send, SessionHub
+from backend.chat.prompt import asks_for_human
+from backend.chat.protocol import (
+    ErrorFrame,
+    MessageAck,
+    MessageCompleted,
+    SessionStatusFrame,
+    SessionTopicFrame,
+    Topic,
+    Usage,
+    UserMessage,
+)
+from backend.chat.reply_setup import ReplySetup
+from backend.chat.reply_stream import ReplyStreamer
+from backend.chat.tool_turn import RESULT_RESERVE_TOKENS, ToolTurn
+from backend.chat.turn import ReplyConfig, with_db_retry
+from backend.chat.turn_state import Turn
+from backend.chat.turns import Turns
+from backend.context.builder import prefix_segments
+from backend.context.contact_guard import ContactGuard
+from backend.context.contacts import ContactKind
+from backend.context.grounding import Grounding
+from backend.core.errors import SessionClosedError, engine_error_code
+from backend.core.metrics import Metrics
+from backend.core.offload import run_cpu
+from backend.db.models import Message, Tenant
+from backend.domain import HandoffReason, InvalidationReason, MessageRole, MessageStatus, SessionStatus
+from backend.engine_client.protocol import EngineClient
+from backend.engine_client.values import EngineBusy, EngineError, FinishReason, RequestFinished
+from backend.services import sessions as store
+from backend.services.context_service import SYSTEM_ACTOR, ContextService, Observation, Plan, SessionContext
+from backend.services.handoff_settings import HandoffSettings
+from backend.services.tool_calls import ToolCaller
+from backend.services.tool_exchange import ToolExchange
+
+log = logging.getLogger("kvchat.chat")
+SetStatus = Callable[[str, SessionStatus], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """What step 2's transaction leaves: the message (``duplicate``: stored before, a retry), the status it was
+    stored under, a retry's stored reply, the session's context with the message, and the tenant's reply setup."""
+
+    message: Message
+    duplicate: bool
+    before: SessionStatus
+    reply: Message | None
+    context: SessionContext
+    setup: ReplySetup
+    handoff: HandoffSettings
+    read_again: bool = False  # a turn of the session was in flight in this process at the read: it stores after it
+
+
+class TurnPath:
+    """The chat service's turns: what a customer message starts, and the bot's turn to its stored reply."""
+
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        engine: EngineClient,
+        context: ContextService,
+        hub: SessionHub,
+        desk: AgentDesk,
+        turns: Turns,
+        set_status: SetStatus,
+        reply: ReplyConfig,
+        metrics: Metrics | None = None,
+        commit_delay_s: float = 0.0,
+    ) -> None:
+        self._sm = sessionmaker
+        self._engine = engine
+        self._context = context
+        self._hub = hub
+        self._desk = desk
+        self._turns = turns
+        self._set_status = set_status
+        self.reply = reply
+        self._metrics = metrics
+        self._commit_delay_s = commit_delay_s  # test hook (crash tests): see store.add_assistant_message
+        self._answerable = Answerable(engine)
+        self._streamer = ReplyStreamer(engine, hub, metrics)
+        self._tools = ToolTurn(engine, self._streamer, ToolCaller(sessionmaker, reply.tools_allow_private_networks))
+
+    @property
+    def budget(self) -> int:
+        """Prompt tokens a turn may use: the engine's limit (its context or its KV pool) minus the reply."""
+        return self._engine.prompt_limit - self.reply.max_tokens
+
+    # ------------------------------------------------------------------ submit: steps 1-5
+
+    async def submit(self, tenant: Tenant, session_id: str, frame: UserMessage, reply_to: Send) -> None:
+        """Steps 1 to 5; returns once the message is stored and its turn queued (the reply streams in a task)."""
+        await self._answerable.check(tenant.id, _prefix_text(tenant), frame.text, self.budget)  # 1
+        stored = await self._store_and_read(tenant.id, session_id, frame)  # 2
+        message = stored.message
+        reply_to(MessageAck(client_msg_id=frame.client_msg_id, seq=message.seq, duplicate=stored.duplicate))  # 3
+        if self._metrics is not None and not stored.duplicate:
+            self._metrics.messages.labels(MessageRole.USER.value).inc()
+        if stored.reply is not None:
+            reply_to(_completed_from_stored(frame.client_msg_id, stored.reply))
+            return
+        if self._turns.get(session_id, frame.client_msg_id) is not None:
+            return  # attached: this socket already receives the session's deltas
+        status = stored.before if stored.duplicate else await self._after_customer_message(stored)  # 4
+        if status == SessionStatus.BOT_ACTIVE:  # 5
+            turn = Turn(
+                session_id,
+                tenant.id,
+                frame.client_msg_id,
+                message.seq,
+                stored.context,
+                message=message,
+                setup=stored.setup,
+                handoff=stored.handoff,
+                observe=not stored.duplicate,
+                read_again=stored.read_again,
+            )
+            self._turns.start(turn, self._run)
+        elif status == stored.before:
+            # NOTE: tell the sender no bot reply is coming (a status change was already published to everyone).
+            reply_to(SessionStatusFrame(session_id=session_id, status=status.value))
+            if status in WAITING and not stored.duplicate:
+                await self._observe_only(stored)
+                await self._desk.customer_wrote(tenant.id, message, status)
+
+    async def _store_and_read(self, tenant_id: str, session_id: str, frame: UserMessage) -> Stored:
+        """Step 2, one transaction. NOTE: the session is locked first (a write: SQLite's write lock, Postgres's row
+        lock), so the status, the messages and the next seq read are the ones the message is stored under; a closed
+        session leaves by the rollback. A unique-key race (another process stored the same ``client_msg_id``, which
+        the lock leaves to a database without it) is tried once more, and finds the message."""
+        try:
+            async with self._sm() as db:
+                return await self._store_and_read_in(db, tenant_id, session_id, frame)
+        except IntegrityError:
+            async with self._sm() as db:
+                return await self._store_and_read_in(db, tenant_id, session_id, frame)
+
+    async def _store_and_read_in(self, db: AsyncSession, tenant_id: str, session_id: str, frame: UserMessage) -> Stored:
+        session = await store.lock_session(db, tenant_id, session_id)
+        if session.status == SessionStatus.CLOSED.value:
+            raise SessionClosedError("this session is closed; start a new one")
+        before = SessionStatus(session.status)
+        read_again = self._turns.in_flight(session_id) is not None  # NOTE: known under the lock, before the read
+        ctx = await self._context.load(db, tenant_id, session_id)
+        setup = await reply_setup.load(db, tenant_id, self.reply.defaults)
+        handoff = await self._desk.handoff_settings(tenant_id, db)  # (from memory, mostly)
+        message = next((m for m in ctx.messages if _sent_as(m, frame.client_msg_id)), None)
+        if message is not None:
+            reply = max((m for m in ctx.messages if m.reply_to_seq == message.seq), key=_seq, default=None)
+            attached = self._turns.get(session_id, frame.client_msg_id) is not None
+            if reply is None and before == SessionStatus.BOT_ACTIVE and not attached:
+                await store.await_reply(db, message)  # a retry restarts a turn that left no reply: owed one again
+            await db.commit()
+            return Stored(message, True, before, reply, ctx, setup, handoff, read_again)
+        status = MessageStatus.AWAITING_REPLY if _bot_answers(before, frame.text) else MessageStatus.COMPLETE
+        message = Message(
+            session_id=session_id,
+            seq=ctx.last_seq + 1,
+            role=MessageRole.USER.value,
+            content=frame.text,
+            client_msg_id=frame.client_msg_id,
+            status=status.value,
+        )
+        db.add(message)
+        await db.commit()
+        return Stored(message, False, before, None, ctx.with_message(message), setup, handoff, read_again)
+
+    async def _after_customer_message(self, stored: Stored) -> SessionStatus:
+        status, session_id = stored.before, stored.message.session_id
+        if status == SessionStatus.RESOLVED:
+            status = SessionStatus.BOT_ACTIVE  # a customer reply reopens a resolved session
+            await self._set_status(session_id, status)
+        if status == SessionStatus.BOT_ACTIVE and asks_for_human(stored.message.content):
+            await self._observe_only(stored)  # (no bot turn observes it)
+            status = await self._desk.handoff(session_id, HandoffReason.CUSTOMER_ASKED)
+        return status
+
+    async def _observe_only(self, stored: Stored) -> None:
+        """A message no bot turn answers: its topic and blocks stored now (a failure costs nothing else)."""
+        try:
+            observation = await self._context.observe_customer(stored.context, stored.message)
+        except Exception:
+            log.exception("the context layer failed on message %s/%d", stored.context.session_id, stored.message.seq)
+            return
+        self._announce_topic(stored.message, observation)
+
+    # ------------------------------------------------------------------ the turn: steps 6-10
+
+    async def _run(self, turn: Turn) -> None:
+        """The whole turn; whatever fails, the session hears of it (an ``error`` frame) instead of waiting."""
+        try:
+            await self._generate_and_store(turn)
+        except Exception:
+            # NOTE: a bug or a database outage must not leave the customer waiting for a reply that never comes.
+            log.exception("turn %s/%s failed", turn.session_id, turn.client_msg_id)
+            error = ErrorFrame(
+                code="internal_error", message="the reply failed; please retry", client_msg_id=turn.client_msg_id
+            )
+            self._hub.publish(turn.session_id, error)
+        settings = turn.handoff or await self._desk.handoff_settings(turn.tenant_id)
+        await self._desk.after_bot_turn(settings, turn.session_id, turn.user_seq)  # 10
+
+    async def _generate_and_store(self, turn: Turn) -> None:
+        finished: RequestFinished | None = None
+        exchange: ToolExchange | None = None
+        bookkeeping: asyncio.Task[None] | None = None
+        try:
+            if turn.read_again or turn.context is None:  # 6
+                turn.context, turn.setup = await with_db_retry(
+                    self._sm, f"reading the context of {turn.session_id}", functools.partial(self._read, turn)
+                )
+            setup = turn.setup or ReplySetup(self.reply.defaults)
+            plan, grounding = await run_cpu(turn.tenant_id, self._plan, turn, setup)  # 7
+            self._start(turn, plan, grounding)
+            await self._free_dropped(turn, plan)
+            bookkeeping = asyncio.create_task(self._bookkeeping(turn, plan), name=f"bookkeeping-{turn.request_id}")
+            # NOTE: checked after the awaits above too: a cancel or a drain may arrive meanwhile
+            if not (turn.cancelled or turn.interrupted):
+                finished, exchange = await self._generate(turn, plan, setup)  # 8
+        except EngineError as exc:
+            self._streamer.settle(turn)  # (before the error: what the guard held back was said before it)
+            self._hub.publish(turn.session_id, _error_frame(exc, turn.client_msg_id))
+            await _settled(bookkeeping)
+            if turn.parts:
+                await self._store(turn, MessageStatus.INCOMPLETE, "error", None)
+            return
+        except asyncio.CancelledError:
+            # NOTE: shutdown: keep what was said, marked incomplete, then let the cancellation proceed.
+            await _settled(bookkeeping)
+            await self._store(turn, MessageStatus.INCOMPLETE, "interrupted", None)
+            raise
+        await _settled(bookkeeping)  # 9
+        if turn.interrupted:
+            await self._store(turn, MessageStatus.INCOMPLETE, "interrupted", finished)
+        elif finished is None or finished.finish_reason == FinishReason.ABORTED:
+            await self._store(turn, MessageStatus.CANCELLED, "cancelled", finished)
+        else:
+            await self._store(turn, MessageStatus.COMPLETE, finished.finish_reason.value, finished, exchange)
+
+    async def _read(self, turn: Turn, db: AsyncSession) -> tuple[SessionContext, ReplySetup]:
+        """Step 6's read again (read only: safe to retry): the context and the reply setup."""
+        ctx = await self._context.load(db, turn.tenant_id, turn.session_id)
+        return ctx, await reply_setup.load(db, turn.tenant_id, self.reply.defaults)
+
+    def _plan(self, turn: Turn, setup: ReplySetup) -> tuple[Plan, Grounding]:
+        """Step 7, in a worker thread: the message observed, the prompt built and tokenized (with room for the tools'
+        calls and results when tools are offered), and what the reply may take contact details from."""
+        assert turn.context is not None  # (step 6)
+        message = turn.message or next(m for m in turn.context.messages if m.seq == turn.user_seq)
+        budget, tools = self.budget, tuple(t.spec() for t in setup.tools)
+        if tools:  # NOTE: room for the calls and their results, without leaving the history nothing
+            budget = max(budget // 2, budget - self.reply.max_tokens - RESULT_RESERVE_TOKENS)
+        plan = self._context.plan(turn.context, message, budget, tools, observe=turn.observe)
+        return plan, turn_grounding(plan.context)
+
+    def _start(self, turn: Turn, plan: Plan, grounding: Grounding) -> None:
+        """What the plan tells the turn and the session: its context, namespace, topic and guard; a topic shift."""
+        prepared = plan.prepared
+        turn.context, turn.namespace = plan.context, prepared.namespace
+        turn.topic = Topic(epoch=prepared.epoch, temperature=prepared.temperature, section=list(prepared.sections))
+        turn.guard = ContactGuard(grounding, functools.partial(self._blocked, turn))
+        if plan.observation is not None and turn.message is not None:
+            self._announce_topic(turn.message, plan.observation)
+
+    def _announce_topic(self, message: Message, observation: Observation) -> None:
+        """A topic shift, to every socket of the session."""
+        update = observation.update
+        if update.shift:
+            topic = Topic(epoch=update.epoch, temperature=update.temperature)
+            frame = SessionTopicFrame(session_id=message.session_id, seq=message.seq, topic=topic)
+            self._hub.publish(message.session_id, frame)
+
+    def _blocked(self, turn: Turn, kind: ContactKind) -> None:
+        log.info("turn %s/%s: an invented %s was left out of the reply", turn.session_id, turn.client_msg_id, kind)
+        if self._metrics is not None:
+            self._metrics.contacts_blocked.labels(kind.value).inc()
+
+    async def _free_dropped(self, turn: Turn, plan: Plan) -> None:
+        """When the prompt dropped an epoch the session's previous prompt had, free those cached blocks first.
+
+        NOTE: before the prompt goes to the engine, not beside it: invalidating a session from a position on also
+        unpublishes the blocks its requests in flight hold, and this turn's blocks would never be cached. Only a turn
+        that drops an epoch waits for it; a failure is logged and the turn goes on (unfreed blocks age out)."""
+        position = self._context.dropped_from(turn.session_id, plan.prepared)
+        if position is None:
+            return
+        try:
+            freed = await self._context.invalidate(
+                turn.tenant_id,
+                turn.session_id,
+                position,
+                InvalidationReason.EPOCH_DROPPED,
+                SYSTEM_ACTOR,
+                plan.prepared.namespace,
+            )
+        except Exception:
+            log.exception("invalidating the dropped context of %s failed", turn.session_id)
+            return
+        log.info("session %s dropped an epoch: %d cached blocks freed", turn.session_id, freed.blocks_freed)
+
+    async def _bookkeeping(self, turn: Turn, plan: Plan) -> None:
+        """Step 8's task, beside the prefill: the message's blocks and topic row stored, the engine's temperature hint.
+        NOTE: bookkeeping: a failure is logged, the reply goes on (the message joins the history unsplit)."""
+        if plan.observation is None or turn.message is None:
+            return
+        try:
+            turn.context = await self._context.record_customer(plan.context, turn.message, plan.observation)
+        except Exception:
+            log.exception("the context layer failed on message %s/%d", turn.session_id, turn.user_seq)
+
+    async def _generate(
+        self, turn: Turn, plan: Plan, setup: ReplySetup
+    ) -> tuple[RequestFinished | None, ToolExchange | None]:
+        """Step 8: the reply streamed as it comes, or, with tools offered, through the tool turn."""
+        # NOTE: no await between the caller's check of ``turn.cancelled`` and the stream (``ReplyStreamer.stream``).
+        prepared = plan.prepared
+        if setup.offers_tools:
+            family = self._context.tool_family
+            result = await self._tools.run(
+                turn, prepared.sent, prepared.tokenized, setup, family, self.reply.max_tokens, self.budget
+            )
+            return result.finished, result.exchange
+        params = setup.settings.params(self.reply.max_tokens)
+        return (await self._streamer.stream(turn, prepared.tokenized, params)).finished, None
+
+    async def _store(
+        self,
+        turn: Turn,
+        status: MessageStatus,
+        finish_reason: str,
+        finished: RequestFinished | None,
+        exchange: ToolExchange | None = None,
+    ) -> None:
+        """Step 9: the reply stored (retried through a database blip), its blocks, then its completion published."""
+        self._streamer.settle(turn)  # NOTE: first: the stored reply is what was shown, the guard's held tail too
+        s = finished.stats if finished else None
+        usage = store.TokenUsage(
+            prompt_tokens=s.prompt_tokens if s else 0,
+            completion_tokens=s.completion_tokens if s else 0,
+            cached_tokens=s.cached_tokens if s else 0,
+        )
+        # NOTE: a commit whose answer was lost may have landed; the retry then gets that reply back, not a second one
+        # (``add_assistant_message`` keeps one reply per message).
+        message = await with_db_retry(
+            self._sm,
+            f"storing the reply of {turn.session_id}/{turn.client_msg_id}",
+            lambda db: store.add_assistant_message(
+                db,
+                turn.session_id,
+                turn.user_seq,
+                turn.text,
+                status,
+                usage,
+                self._commit_delay_s,
+                exchange.to_json() if exchange is not None else None,
+            ),
+        )
+        if self._metrics is not None:
+            self._metrics.messages.labels(MessageRole.ASSISTANT.value).inc()
+        # NOTE: before the completion goes out, so a client that saw it finds the reply's blocks stored too.
+        await self._observe_reply(turn, message)
+        usage_out = None
+        if s is not None:
+            usage_out = Usage(
+                prompt_tokens=s.prompt_tokens,
+                cached_tokens=s.cached_tokens,
+                prefilled_tokens=s.prefilled_tokens,
+                completion_tokens=s.completion_tokens,
+                ttft_ms=round(s.ttft_s * 1000, 2),
+            )
+        completed = MessageCompleted(
+            client_msg_id=turn.client_msg_id,
+            seq=message.seq,
+            text=message.content,
+            status=message.status,
+            finish_reason=finish_reason,
+            usage=usage_out,
+            topic=turn.topic,
+        )
+        self._hub.publish(turn.session_id, completed)
+
+    async def _observe_reply(self, turn: Turn, message: Message) -> None:
+        if turn.context is None or turn.topic is None:
+            return  # (the turn failed before its prompt; the next turn's context holds the reply, unsplit)
+        try:
+            await self._context.observe_reply(turn.context, message, turn.topic.epoch)
+        except Exception:  # NOTE: as for the customer's message: the reply is stored either way; its blocks are extra
+            log.exception("the context layer failed on reply %s/%d", turn.session_id, message.seq)
+
+
+async def _settled(task: asyncio.Task[None] | None) -> None:
+    """Wait for the bookkeeping (it logs its own failures)."""
+    if task is not None:
+        await asyncio.shield(task)  # (a cancelled turn still lets its writes finish)
+
+
+def _sent_as(m: Message, client_msg_id: str) -> bool:
+    return m.role == MessageRole.USER.value and m.client_msg_id == client_msg_id
+
+
+def _seq(m: Message) -> int:
+    return m.seq
+
+
+def _bot_answers(status: SessionStatus, text: str) -> bool:
+    """Whether a new customer message starts a bot turn (mirrors ``TurnPath._after_customer_message``)."""
+    return status in (SessionStatus.BOT_ACTIVE, SessionStatus.RESOLVED) and not asks_for_human(text)
+
+
+def _prefix_text(tenant: Tenant) -> str:
+    """The text of the tenant's part 1 (system prompt and policy), as the context builder renders it."""
+    return "".join(s.text for s in prefix_segments(tenant.system_prompt, tenant.policy_text))
+
+
+def _completed_from_stored(client_msg_id: str, reply: Message) -> MessageCompleted:
+    return MessageCompleted(
+        client_msg_id=client_msg_id,
+        seq=reply.seq,
+        text=reply.content,
+        status=reply.status,
+        finish_reason="replayed",
+        usage=None,
+    )
+
+
+def _error_frame(exc: EngineError, client_msg_id: str | None) -> ErrorFrame:
+    retry = int(exc.retry_after_s * 1000) if isinstance(exc, EngineBusy) else None
+    return ErrorFrame(code=engine_error_code(exc), message=str(exc), retry_after_ms=retry, client_msg_id=client_msg_id)
