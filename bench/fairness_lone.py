@@ -50,17 +50,25 @@ def round_order(r: int) -> tuple[str, ...]:
 
 
 def totals(windows: list[dict[str, Any]], backlog_s: float) -> dict[str, Any]:
-    """Tokens/s per build over all its windows, and fair / FCFS."""
+    """Served tokens/s and completion tokens/s per build over all its windows, and fair / FCFS of each.
+
+    NOTE: served tokens include the prefill, which prefix caching decides; two builds that cache differently serve
+    different prompt tokens for the same replies, so the completion tokens (replies x reply length) are the work
+    that both did alike."""
     out: dict[str, Any] = {}
     for build in BUILDS:
         mine = [w for w in windows if w["build"] == build]
+        seconds = backlog_s * len(mine)
         out[build] = {
             "windows": len(mine),
             "tokens": sum(w["tokens"] for w in mine),
-            "tokens_per_s": sum(w["tokens"] for w in mine) / (backlog_s * len(mine)) if mine else 0.0,
+            "tokens_per_s": sum(w["tokens"] for w in mine) / seconds if mine else 0.0,
+            "completion_per_s": sum(w["completion"] for w in mine) / seconds if mine else 0.0,
         }
-    fcfs = out["fcfs"]["tokens_per_s"]
-    out["fair_over_fcfs"] = out["fair"]["tokens_per_s"] / fcfs if fcfs else None
+    for key in ("tokens_per_s", "completion_per_s"):
+        fcfs = out["fcfs"][key]
+        out[f"fair_over_fcfs_{key}"] = out["fair"][key] / fcfs if fcfs else None
+    out["fair_over_fcfs"] = out["fair_over_fcfs_tokens_per_s"]
     return out
 
 
@@ -124,8 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for build in BUILDS:
         rates = [round(w["tokens_per_s"], 1) for w in windows if w["build"] == build]
-        print(f"{build}: {summary[build]['tokens_per_s']:.1f} served tokens/s (windows: {rates})")
-    print(f"fair / FCFS: {summary['fair_over_fcfs']}")
+        done = summary[build]["completion_per_s"]
+        print(
+            f"{build}: {summary[build]['tokens_per_s']:.1f} served tokens/s (windows: {rates}), {done:.1f} completion"
+        )
+    print(f"fair / FCFS: {summary['fair_over_fcfs']} served, {summary['fair_over_fcfs_completion_per_s']} completion")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -16,14 +16,15 @@ def test_the_builds_alternate_which_goes_first() -> None:
 
 def test_the_ratio_is_over_every_window_of_each_build() -> None:
     windows = [
-        {"build": "fair", "tokens": 300},
-        {"build": "fcfs", "tokens": 400},
-        {"build": "fcfs", "tokens": 200},
-        {"build": "fair", "tokens": 270},
+        {"build": "fair", "tokens": 300, "completion": 100},
+        {"build": "fcfs", "tokens": 400, "completion": 160},
+        {"build": "fcfs", "tokens": 200, "completion": 40},
+        {"build": "fair", "tokens": 270, "completion": 100},
     ]
     out = totals(windows, 10.0)
     assert (out["fair"]["tokens_per_s"], out["fcfs"]["tokens_per_s"]) == (28.5, 30.0)
-    assert out["fair_over_fcfs"] == 0.95
+    assert out["fair_over_fcfs"] == out["fair_over_fcfs_tokens_per_s"] == 0.95
+    assert (out["fair"]["completion_per_s"], out["fair_over_fcfs_completion_per_s"]) == (10.0, 1.0)
     assert totals([], 10.0)["fair_over_fcfs"] is None
 
 
