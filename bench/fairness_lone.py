@@ -7,7 +7,8 @@ fair scheduler) and ``--fcfs-repo`` (a checkout of the FCFS build, e.g. ``git ar
 ``lone`` phase of ``bench.fairness``), then on the other, in alternating order round after round (fair, FCFS; FCFS,
 fair; ...), so a slow patch of a shared machine falls on both. Served tokens = prompt tokens prefilled + completion
 tokens of the replies that finished inside the window (``bench.fairness.Served``). The idle server's CPU time during
-the other's window is recorded: it must be ~0, or the two would not be measured alone.
+the other's window is recorded: it must be ~0, or the two would not be measured alone. The servers' logs are kept
+in ``bench-results/fairness_lone/``.
 
     flock /tmp/kvchat-bench.lock .venv/bin/python -m bench.fairness_lone --fcfs-repo /tmp/fcfs42 \\
         --database-url postgresql://postgres@127.0.0.1:5432/kvchat_lone_fair \\
@@ -21,6 +22,7 @@ import asyncio
 import json
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -36,6 +38,13 @@ from bench.reporting import machine_info
 
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "fairness_lone.json"
 BUILDS = ("fair", "fcfs")
+LOG_DIR = REPO_ROOT / "bench-results" / "fairness_lone"
+
+
+def keep_log(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if source.exists():
+        shutil.copyfile(source, target)
 
 
 def cpu_s(server: Server) -> float:
@@ -116,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         servers = {}
         for build, config in configs.items():
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kvchat-lone-{build}-")))
+            # the server's log outlives its temporary directory (copied once the server has stopped)
+            stack.callback(keep_log, workdir / "server.log", LOG_DIR / f"{build}.server.log")
             servers[build] = stack.enter_context(running_server(config, workdir))
         windows = asyncio.run(alternate(servers, fair, args.rounds))
     summary = totals(windows, args.backlog_s)
