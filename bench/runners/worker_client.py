@@ -1,7 +1,7 @@
 """Drive a peer that lives in its own venv: a worker subprocess speaking JSON lines over stdin/stdout.
 
 Requests (one JSON object a line): ``{"op": "start", ...}``, ``{"op": "generate", "id", "session", "prompt_ids",
-"max_tokens"}``, ``{"op": "end_session", "session"}``, ``{"op": "close"}``.
+"max_tokens"[, "sampling", "return_ids"]}``, ``{"op": "end_session", "session"}``, ``{"op": "close"}``.
 Replies: ``{"event": "ready", "version", "details"}``, ``{"id", "event": "tokens", "n"}``, ``{"id", "event": "done",
 "prompt_tokens", "cached_tokens", "output_tokens", "kv_bytes"}``, ``{"id", "event": "error", "error"}``,
 ``{"event": "kv", "bytes"}`` (KV in use, now and then),
@@ -119,20 +119,36 @@ class WorkerRunner(Runner):
             if not future.done():
                 future.set_exception(RuntimeError(str(message.get("error"))))
 
-    async def run_turn(self, request: TurnRequest, on_tokens: OnTokens) -> TurnOutcome:
+    async def generate(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        on_tokens: OnTokens,
+        sampling: Mapping[str, Any] | None = None,
+        return_ids: bool = False,
+    ) -> dict[str, Any]:
+        """One request; the worker's ``done`` message as it came (``sampling`` overrides the worker's greedy,
+        EOS-ignoring default; ``return_ids`` asks for the token ids; a speculating worker adds its ``spec``)."""
         rid = f"r{next(self._ids)}"
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = (on_tokens, future)
-        await self._send(
-            {
-                "op": "generate",
-                "id": rid,
-                "session": request.session_id,
-                "prompt_ids": request.prompt_ids,
-                "max_tokens": request.max_tokens,
-            }
-        )
-        done = await future
+        message: dict[str, Any] = {
+            "op": "generate",
+            "id": rid,
+            "session": session_id,
+            "prompt_ids": prompt_ids,
+            "max_tokens": max_tokens,
+        }
+        if sampling:
+            message["sampling"] = dict(sampling)
+        if return_ids:
+            message["return_ids"] = True
+        await self._send(message)
+        return await future
+
+    async def run_turn(self, request: TurnRequest, on_tokens: OnTokens) -> TurnOutcome:
+        done = await self.generate(request.session_id, request.prompt_ids, request.max_tokens, on_tokens)
         cached = done.get("cached_tokens")
         kv = done.get("kv_bytes")
         return TurnOutcome(
