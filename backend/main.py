@@ -362,7 +362,7 @@ def _start_fanout(url: str, name: str, chat: ChatService, owned: contextlib.Asyn
     counts and turns. SQLite serves one process: none."""
     if not url.startswith("postgresql"):
         return None
-    fanout = Fanout(url, name, chat.hub, chat.claimed_turns)
+    fanout = Fanout(url, name, chat.hub, chat.claimed_turns, chat.replies_in_flight)
     fanout.start()
     owned.push_async_callback(fanout.stop)
     return fanout

@@ -154,6 +154,10 @@ class ChatService:
             topic=Topic(epoch=session.topic_epoch, temperature=session.semantic_temperature),
         )
 
+    def replies_in_flight(self, session_id: str) -> list[tuple[str, str]]:
+        """(client_msg_id, text so far) of this process's replies streaming on the session (the fan-out's catch-up)."""
+        return [(t.client_msg_id, t.text) for t in self._turns.streaming(session_id)]
+
     def claimed_turns(self) -> list[tuple[str, str]]:
         """The turns this process runs or has queued: (session id, client_msg_id) each."""
         return self._turns.claimed()
