@@ -27,7 +27,6 @@ The parts: this module decides what a message starts; ``backend/chat/turn.py`` r
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from datetime import timedelta
 
@@ -58,6 +57,7 @@ from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
 from backend.db.models import Message, Tenant
 from backend.domain import HandoffReason, InvalidationReason, MessageRole, MessageStatus, SessionStatus
+from backend.engine_client import control
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import ErasureResult
 from backend.services import agents
@@ -203,14 +203,14 @@ class ChatService:
         """Release the engine cache only this session uses (demoted to disk when the engine has a disk tier);
         returns the blocks that left memory."""
         self._forget(session_id)
-        freed = await asyncio.to_thread(self._engine.release_session, session_id)  # (disk writes: off the loop)
+        freed = await control.release_session(self._engine, session_id)  # (disk writes: off the loop)
         log.info("released the engine cache of session %s (%d blocks)", session_id, freed)
         return freed
 
     async def erase_cache(self, session_id: str, namespace: str) -> ErasureResult:
         """Erasure (a deleted session): remove the session's blocks from every tier of the engine."""
         self._forget(session_id)
-        erased = await asyncio.to_thread(self._engine.erase_session, session_id, namespace)
+        erased = await control.erase_session(self._engine, session_id, namespace)
         log.info(
             "erased the engine cache of session %s (%d memory, %d disk blocks)",
             session_id,
