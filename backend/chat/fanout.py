@@ -354,7 +354,7 @@ class Fanout:
             answer = [[c, t] for c, t in self._replies(key)]
             self._put({"k": "a", "s": key, "q": message["q"], "to": worker, "r": answer}, channel_of(key))
         elif kind == "a" and message["to"] == self.worker:
-            for client_msg_id, text in message["r"]:
+            for client_msg_id, text in message["r"] if self._wants(message["s"]) else ():
                 self._hub.set_remote_reply(message["s"], RemoteReply(worker, client_msg_id, text))
             query = self._queries.get(int(message["q"]))
             if query is not None:
