@@ -101,6 +101,7 @@ class Fanout:
         claims: Claims,
         replies: Replies = lambda _key: (),
         heartbeat_s: float = HEARTBEAT_S,
+        on_frame: Callable[[], None] = lambda: None,
     ) -> None:
         self.worker = worker
         self.heartbeat_s = heartbeat_s
@@ -109,6 +110,7 @@ class Fanout:
         self._hub = hub
         self._claims = claims
         self._replies = replies
+        self._on_frame = on_frame  # (kvchat:fanout_frames_heard)
         self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue(maxsize=_QUEUE_MAX)  # (channel, payload)
         self._dropped = 0
         self._counter = 0
@@ -342,6 +344,7 @@ class Fanout:
         worker, kind = message["w"], message["k"]
         if kind == "f":
             self.frames_heard += 1
+            self._on_frame()
             if self._wants(message["s"]):  # (not one heard between its last socket's leaving and the UNLISTEN)
                 self._hub.deliver_remote(worker, message["s"], _FRAME.validate_python(message["f"]))
         elif kind == "h":
