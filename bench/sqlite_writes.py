@@ -56,7 +56,8 @@ async def _store(engine: AsyncEngine, session: int, turn: int) -> float:
     return (time.perf_counter() - began) * 1000
 
 
-async def _round(queued: bool, writers: int, turns: int, think_ms: float, seed: int) -> list[float]:
+async def _round(queued: bool, writers: int, turns: int, think_ms: float, seed: int) -> tuple[list[float], float]:
+    """The round's transaction times (ms) and its wall time (s)."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
         engine = create_db_engine(f"sqlite+aiosqlite:///{Path(tmp) / 'writes.db'}")
@@ -77,25 +78,29 @@ async def _round(queued: bool, writers: int, turns: int, think_ms: float, seed: 
                     await asyncio.sleep(rng.uniform(0, 2 * think_ms) / 1000)
                     times.append(await _store(engine, session, turn))
 
+            began = time.perf_counter()
             await asyncio.gather(*(writer(i) for i in range(writers)))
-            return times
+            return times, time.perf_counter() - began
         finally:
             sqlite_driver.queue_for = original
             await engine.dispose()
 
 
-def _summary(times: list[float]) -> dict[str, float]:
+def _summary(times: list[float], wall_s: float) -> dict[str, float]:
     q = statistics.quantiles(times, n=100, method="inclusive")
-    return {"n": len(times), "p50_ms": q[49], "p90_ms": q[89], "p99_ms": q[98], "max_ms": max(times)}
+    summary = {"n": len(times), "per_s": len(times) / wall_s, "p50_ms": q[49], "p90_ms": q[89], "p99_ms": q[98]}
+    return summary | {"max_ms": max(times)}
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, list[float]] = {"file lock": [], "queued": []}
+    walls = {"file lock": 0.0, "queued": 0.0}
     for r in range(args.rounds):
         for queued in (False, True) if r % 2 == 0 else (True, False):
-            times = await _round(queued, args.writers, args.turns, args.think_ms, args.seed + r)
+            times, wall_s = await _round(queued, args.writers, args.turns, args.think_ms, args.seed + r)
             results["queued" if queued else "file lock"] += times
-    return {name: _summary(times) for name, times in results.items()}
+            walls["queued" if queued else "file lock"] += wall_s
+    return {name: _summary(times, walls[name]) for name, times in results.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     summary = asyncio.run(_main(args))
-    print("| writes | transactions | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|")
+    print("| writes | transactions | per s | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|---|")
     for name, s in summary.items():
         print(
-            f"| {name} | {s['n']:.0f} | {s['p50_ms']:.2f} ms | {s['p90_ms']:.2f} ms | {s['p99_ms']:.2f} ms "
-            f"| {s['max_ms']:.1f} ms |"
+            f"| {name} | {s['n']:.0f} | {s['per_s']:.0f} | {s['p50_ms']:.2f} ms | {s['p90_ms']:.2f} ms "
+            f"| {s['p99_ms']:.2f} ms | {s['max_ms']:.1f} ms |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"command": " ".join(["python -m bench.sqlite_writes", *(argv or sys.argv[1:])]), "args": vars(args)}
