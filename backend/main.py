@@ -231,7 +231,7 @@ async def _start_phases(
     gated = GatedEngine(llm, quotas)  # chat turns and /v1 completions go through the tenants' quotas
     context = ContextService(sessionmaker, llm, namespaces)
     chat = ChatService(sessionmaker, gated, SessionHub(), context, reply, settings.test_commit_delay_seconds, metrics)
-    fanout = _start_fanout(url, name, chat, owned)  # (stopped after the drain: its last frames still go out)
+    fanout = _start_fanout(url, name, chat, metrics, owned)  # (stopped after the drain: its last frames still go out)
     owned.push_async_callback(_drain, chat, settings.shutdown_grace_seconds)
     revocations = RevocationFeed(url, sessionmaker, chat.hub.keys)  # revoked keys close their sockets, any process
     revocations.start()
@@ -357,12 +357,14 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
-def _start_fanout(url: str, name: str, chat: ChatService, owned: contextlib.AsyncExitStack) -> Fanout | None:
+def _start_fanout(
+    url: str, name: str, chat: ChatService, metrics: Metrics, owned: contextlib.AsyncExitStack
+) -> Fanout | None:
     """On Postgres, the fan-out to the other workers on the database (``backend/chat/fanout.py``): their frames, socket
     counts and turns. SQLite serves one process: none."""
     if not url.startswith("postgresql"):
         return None
-    fanout = Fanout(url, name, chat.hub, chat.claimed_turns)
+    fanout = Fanout(url, name, chat.hub, chat.claimed_turns, chat.replies_in_flight, on_frame=metrics.fanout_frames.inc)
     fanout.start()
     owned.push_async_callback(fanout.stop)
     return fanout

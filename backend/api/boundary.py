@@ -18,6 +18,9 @@ Two shapes, chosen by path:
     a BackendError (backend/core/errors.py) its status    its code (e.g. 404 session_not_found; 503 starting,
                                                           with Retry-After, until the start is done)
     a ContextError (backend/context/errors)  422 (503)  its code (e.g. invalid_rule)
+    an EngineError outside /v1 (an admin    503     unavailable (an engine that does not answer a control call
+      call's control call to the engine)                within its deadline: backend/engine_client/control.py),
+                                            503     busy; 500 engine_error (backend/core/errors.py engine_error_code)
     any other HTTPException                 its own http_<status>
     an unexpected exception                 500     internal_error    (logged once, with its traceback)
 
@@ -44,9 +47,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from backend.api.state import AppState
 from backend.context.errors import ContextError
 from backend.core.admission import RETRY_AFTER_S
-from backend.core.errors import HTTP_STATUS_CODES, BackendError, StartingError, error_location, error_problem
+from backend.core.errors import (
+    HTTP_STATUS_CODES,
+    BackendError,
+    StartingError,
+    engine_error_code,
+    error_location,
+    error_problem,
+)
 from backend.core.limits import MAX_JSON_DEPTH, json_too_deep
-from backend.engine_client.values import EngineBusy
+from backend.engine_client.values import EngineBusy, EngineError
 from backend.openai.errors import (
     SERVER_ERROR,
     OpenAIError,
@@ -213,6 +223,7 @@ def install(app: FastAPI, max_request_bytes: int) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(BackendError, _backend_error)
     app.add_exception_handler(ContextError, _context_error)
+    app.add_exception_handler(EngineError, _engine_error)
     app.add_exception_handler(Exception, _unexpected)
 
 
@@ -244,6 +255,18 @@ _CONTEXT_STATUS = {"backend_unavailable": 503}
 async def _context_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ContextError)
     return error_response(request.url.path, _CONTEXT_STATUS.get(exc.code, 422), str(exc), exc.code)
+
+
+# NOTE: the engine's errors carry no HTTP status either; a control call that missed its deadline is "unavailable".
+_ENGINE_STATUS = {"unavailable": 503, "busy": 503, "rate_limited": 429, "invalid_request": 422}
+
+
+async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, EngineError)
+    if is_openai_path(request.url.path):
+        return from_engine_error(exc).response()
+    code = engine_error_code(exc)
+    return error_response(request.url.path, _ENGINE_STATUS.get(code, 500), str(exc), code)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

@@ -131,14 +131,16 @@ class ChatConnection:
                         self.service.hub.disconnect(client)
                         client = None
                     client = self._connect(ConnectionKey(owner.tenant.id, self._client_ref(hello)))
-                try:
-                    welcome = await self.service.open(self.tenant, hello)
-                except SessionNotFoundError as exc:
-                    raise _Closed(CloseCode.SESSION_NOT_FOUND, str(exc)) from exc
-                self.session_id = welcome.session_id
-                logs.session_id.set(welcome.session_id)  # this socket's log lines, and its turns', carry the session
-                token = self.service.hub.subscribe(welcome.session_id, self.send)
-                self.send(welcome)
+                # NOTE: a resumed session is heard from the other workers before its welcome is read (fan-out)
+                async with self.service.hub.following(hello.session_id or ""):
+                    try:
+                        welcome = await self.service.open(self.tenant, hello)
+                    except SessionNotFoundError as exc:
+                        raise _Closed(CloseCode.SESSION_NOT_FOUND, str(exc)) from exc
+                    self.session_id = welcome.session_id
+                    logs.session_id.set(welcome.session_id)  # this socket's log lines, and its turns', carry it
+                    token = self.service.hub.subscribe(welcome.session_id, self.send)
+                    self.send(welcome)
             await self._read_until_closed()
         except _Closed as closed:
             if closed.code == CloseCode.TRY_AGAIN_LATER:

@@ -8,14 +8,18 @@ that key closes it (``backend/services/revocation.py``).
 With several server processes (``backend/chat/fanout.py``), ``relay`` carries this process's frames to the others,
 and their frames come in through ``deliver_remote``: the hub keeps the text of their replies in flight (so a customer
 who reconnects to this process mid-reply gets it in ``welcome.in_flight``) and their socket counts (so the caps hold
-across processes).
+across processes). Each process hears only the sessions (hub keys) its own sockets follow: ``on_keys_changed`` tells
+the fan-out when a key gains its first socket or loses its last, and ``following`` holds a key heard while a socket
+is being welcomed (the fan-out catches up on the replies other processes have in flight).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from backend.chat.protocol import MessageCompleted, MessageDelta, ServerFrame
@@ -27,6 +31,7 @@ Send = Callable[[ServerFrame], None]
 # of 200 took 168 ms (p50) to be refused without the bound, all of them after the 200 accepted ones' work.
 MAX_WELCOMING = 8
 Relay = Callable[[str, ServerFrame], None]
+Follow = Callable[[str], AbstractAsyncContextManager[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +61,8 @@ class SessionHub:
         self.keys = KeyWatch()
         self.relay: Relay | None = None  # set by the fan-out: this process's frames, to the other processes
         self.on_counts_changed: Callable[[], None] | None = None  # the fan-out announces the new counts
+        self.on_keys_changed: Callable[[], None] | None = None  # a key gained its first socket or lost its last
+        self.follow: Follow | None = None  # set by the fan-out: hear a key, caught up on the others' replies
         # other processes: their replies in flight (session -> client_msg_id -> reply) and their socket counts
         self._remote_replies: dict[str, dict[str, RemoteReply]] = {}
         self._remote_tenants: dict[str, Counter[str]] = {}
@@ -63,7 +70,10 @@ class SessionHub:
 
     def subscribe(self, session_id: str, send: Send) -> int:
         self._next_token += 1
+        first = session_id not in self._subscribers
         self._subscribers[session_id][self._next_token] = send
+        if first:
+            self._keys_changed()
         return self._next_token
 
     def unsubscribe(self, session_id: str, token: int) -> None:
@@ -72,6 +82,22 @@ class SessionHub:
             subs.pop(token, None)
             if not subs:
                 del self._subscribers[session_id]
+                self._keys_changed()
+
+    def followed(self) -> set[str]:
+        """The keys (sessions, inboxes) this process's sockets follow now."""
+        return set(self._subscribers)
+
+    @contextlib.asynccontextmanager
+    async def following(self, session_id: str) -> AsyncIterator[None]:
+        """Hold ``session_id`` heard from the other processes while a socket is welcomed: on entry, this process hears
+        the session's frames and knows the text of its replies in flight elsewhere; subscribe before leaving. A new
+        session (no id yet) has nothing to catch up on."""
+        if self.follow is None or not session_id:
+            yield
+            return
+        async with self.follow(session_id):
+            yield
 
     def publish(self, session_id: str, frame: ServerFrame) -> None:
         """A frame of this process: to its sockets on the session, and (through the fan-out) to other processes'."""
@@ -94,6 +120,14 @@ class SessionHub:
         elif isinstance(frame, MessageCompleted):
             self._forget_reply(session_id, frame.client_msg_id)
         self.deliver(session_id, frame)
+
+    def set_remote_reply(self, session_id: str, reply: RemoteReply) -> None:
+        """Another process's reply in flight, as it answered when this process began to hear the session."""
+        self._remote_replies.setdefault(session_id, {})[reply.client_msg_id] = reply
+
+    def forget_remote(self, session_id: str) -> None:
+        """This process no longer hears the session: what it knew of the others' replies there goes stale."""
+        self._remote_replies.pop(session_id, None)
 
     def remote_in_flight(self, session_id: str) -> RemoteReply | None:
         """The session's reply another process is streaming now (the first, when several are), or None."""
@@ -162,6 +196,10 @@ class SessionHub:
             replies.pop(client_msg_id, None)
             if not replies:
                 del self._remote_replies[session_id]
+
+    def _keys_changed(self) -> None:
+        if self.on_keys_changed is not None:
+            self.on_keys_changed()
 
     def _counts_changed(self) -> None:
         if self.on_counts_changed is not None:

@@ -30,7 +30,6 @@ and drains them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from datetime import timedelta
 
@@ -55,6 +54,7 @@ from backend.core.errors import ShuttingDownError
 from backend.core.metrics import Metrics
 from backend.db.models import Message, Tenant
 from backend.domain import HandoffReason, InvalidationReason, MessageRole, MessageStatus, SessionStatus
+from backend.engine_client import control
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import ErasureResult
 from backend.services import agents
@@ -161,6 +161,10 @@ class ChatService:
             topic=Topic(epoch=session.topic_epoch, temperature=session.semantic_temperature),
         )
 
+    def replies_in_flight(self, session_id: str) -> list[tuple[str, str]]:
+        """(client_msg_id, text so far) of this process's replies streaming on the session (the fan-out's catch-up)."""
+        return [(t.client_msg_id, t.text) for t in self._turns.streaming(session_id)]
+
     def claimed_turns(self) -> list[tuple[str, str]]:
         """The turns this process runs or has queued: (session id, client_msg_id) each."""
         return self._turns.claimed()
@@ -206,14 +210,14 @@ class ChatService:
         """Release the engine cache only this session uses (demoted to disk when the engine has a disk tier);
         returns the blocks that left memory."""
         self._forget(session_id)
-        freed = await asyncio.to_thread(self._engine.release_session, session_id)  # (disk writes: off the loop)
+        freed = await control.release_session(self._engine, session_id)  # (disk writes: off the loop)
         log.info("released the engine cache of session %s (%d blocks)", session_id, freed)
         return freed
 
     async def erase_cache(self, session_id: str, namespace: str) -> ErasureResult:
         """Erasure (a deleted session): remove the session's blocks from every tier of the engine."""
         self._forget(session_id)
-        erased = await asyncio.to_thread(self._engine.erase_session, session_id, namespace)
+        erased = await control.erase_session(self._engine, session_id, namespace)
         log.info(
             "erased the engine cache of session %s (%d memory, %d disk blocks)",
             session_id,

@@ -50,6 +50,10 @@ class Turns:
         """The session's turn in flight (the earliest started, when several wait their turn)."""
         return next((t for (sid, _), t in self._turns.items() if sid == session_id), None)
 
+    def streaming(self, session_id: str) -> list[Turn]:
+        """The session's turns that have published some of their reply (the fan-out's catch-up for another process)."""
+        return [t for (sid, _), t in self._turns.items() if sid == session_id and t.parts]
+
     def claimed(self) -> list[tuple[str, str]]:
         """(session id, client_msg_id) of every turn this process runs or has queued (its fan-out heartbeats)."""
         return list(self._turns)

@@ -57,6 +57,11 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.fanout_frames = Counter(
+            "kvchat:fanout_frames_heard",
+            "Chat frames heard from the other workers (of the sessions this worker's sockets follow only).",
+            registry=r,
+        )
         self.db_latency = Histogram(
             "kvchat:db_query_duration_seconds", "Database statement latency.", buckets=_DB_BUCKETS, registry=r
         )

@@ -76,12 +76,14 @@ def worker_prefix(pid: int) -> str:
     return f"{WORKER_PREFIX}{pid}:"
 
 
-def create_db_engine(url: str, application_name: str | None = None) -> AsyncEngine:
-    """An engine for ``url``; on Postgres its connections carry ``application_name`` (see ``worker_name``)."""
+def create_db_engine(url: str, application_name: str | None = None, sqlite_timeout_s: float = 30.0) -> AsyncEngine:
+    """An engine for ``url``; on Postgres its connections carry ``application_name`` (see ``worker_name``). On SQLite
+    writes take turns in the process (``backend/db/sqlite_writer.py``); ``sqlite_timeout_s`` is SQLite's own wait
+    for the file lock, for another process's writes."""
     parsed = check_database_url(url)
     if parsed.get_backend_name() == "sqlite":
         ensure_sqlite_dir(url)
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        engine = create_async_engine(url, connect_args={"timeout": sqlite_timeout_s})
         event.listen(engine.sync_engine, "do_connect", _one_trip_sqlite)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine

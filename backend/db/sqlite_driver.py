@@ -9,6 +9,9 @@ load (the engine stepping, 100 sockets) about 1 ms, and a turn runs some 20 stat
 engine. So ``OneTripConnection`` runs a statement and fetches its rows in one trip (SQLAlchemy fetches them all at
 once anyway), closes its cursor without one, and skips the commit or rollback trip when no transaction is open
 (``sqlite3`` would do nothing there).
+
+Its write transactions take turns on the database's ``WriteQueue`` (``backend/db/sqlite_writer.py``) instead of
+meeting at SQLite's file lock.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import aiosqlite
+
+from backend.db.sqlite_writer import WriteQueue, may_write, queue_for
 
 _Description = tuple[tuple[Any, ...], ...] | None
 
@@ -41,14 +46,16 @@ class BufferedCursor:
         await self.close()
 
     async def execute(self, sql: str, parameters: Sequence[Any] | dict[str, Any] | None = None) -> BufferedCursor:
-        result = await self._connection.run(_execute, sql, () if parameters is None else parameters)
+        result = await self._connection.statement(_execute, sql, () if parameters is None else parameters)
         self._rows = deque(result[0])
         self.description, self.rowcount, self.lastrowid = result[1:]
         return self
 
     async def executemany(self, sql: str, parameters: Iterable[Sequence[Any]]) -> BufferedCursor:
         self._rows = deque()
-        self.description, self.rowcount, self.lastrowid = await self._connection.run(_execute_many, sql, parameters)
+        self.description, self.rowcount, self.lastrowid = await self._connection.statement(
+            _execute_many, sql, parameters
+        )
         return self
 
     async def fetchone(self) -> Any:
@@ -68,7 +75,13 @@ class BufferedCursor:
 
 
 class OneTripConnection(aiosqlite.Connection):
-    """An aiosqlite connection whose cursors make one trip per statement (``BufferedCursor``)."""
+    """An aiosqlite connection whose cursors make one trip per statement (``BufferedCursor``), and whose write
+    transactions queue in the process (``backend/db/sqlite_writer.py``)."""
+
+    def __init__(self, connector: Any, database: str) -> None:
+        super().__init__(connector, iter_chunk_size=64)
+        self._database = database
+        self._writer: WriteQueue | None = None  # the queue whose lock this connection holds, while it writes
 
     def cursor(self) -> BufferedCursor:  # type: ignore[override]
         return BufferedCursor(self)
@@ -77,13 +90,43 @@ class OneTripConnection(aiosqlite.Connection):
         """``fn(sqlite3_connection, *args)`` on the connection's thread."""
         return await self._execute(fn, self._conn, *args)
 
+    async def statement(self, fn: Any, sql: str, parameters: Any) -> Any:
+        """``run`` for one statement: one that may write waits for the writer lock first (unless held already)."""
+        if self._writer is None and may_write(sql):
+            queue = queue_for(self._database)
+            if queue is not None:
+                await queue.acquire()
+                self._writer = queue
+        try:
+            return await self.run(fn, sql, parameters)
+        finally:
+            self._release_unless_writing()
+
     async def commit(self) -> None:
-        if self._open_transaction():
-            await super().commit()
+        try:
+            if self._open_transaction():
+                await super().commit()
+        finally:
+            self._release_unless_writing()
 
     async def rollback(self) -> None:
-        if self._open_transaction():
-            await super().rollback()
+        try:
+            if self._open_transaction():
+                await super().rollback()
+        finally:
+            self._release_unless_writing()
+
+    async def close(self) -> None:
+        try:
+            await super().close()
+        finally:
+            self._release_unless_writing()
+
+    def _release_unless_writing(self) -> None:
+        connection = self._connection
+        if self._writer is not None and (connection is None or not connection.in_transaction):
+            self._writer.release()
+            self._writer = None
 
     def _open_transaction(self) -> bool:
         # NOTE: read from the loop's thread: the connection is made with check_same_thread=False (SQLAlchemy's
@@ -95,7 +138,7 @@ class OneTripConnection(aiosqlite.Connection):
 
 def connect(database: str, **kwargs: Any) -> OneTripConnection:
     """Like ``aiosqlite.connect``: await the result for an open connection (its thread a daemon, as SQLAlchemy's)."""
-    connection = OneTripConnection(lambda: sqlite3.connect(database, **kwargs), iter_chunk_size=64)
+    connection = OneTripConnection(lambda: sqlite3.connect(database, **kwargs), database)
     connection._thread.daemon = True
     return connection
 

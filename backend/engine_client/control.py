@@ -1,11 +1,15 @@
 """The engine's control calls as coroutines with a deadline: what the backend awaits instead of calling
-``EngineClient.stats``, ``session_footprint``, ``pin_prefix``, ``unpin`` and ``cache_settings`` in place.
+``EngineClient.stats``, ``session_footprint``, ``pin_prefix``, ``unpin`` and ``cache_settings`` in place, and
+instead of sending ``release_session``, ``erase_session``, ``invalidate``, ``invalidate_prefix``, ``flush_namespace``,
+``configure_cache`` and ``reset_prefix_caches`` to a thread of its own.
 
 For the in-process engine these are bookkeeping in memory (microseconds): they run in place. For an engine behind the
 network (``RemoteEngine``, which says so with ``control_blocks = True``) each is a round trip per replica, up to the
 client's timeout for one that does not answer: they run on a worker thread, and the caller waits at most
 ``timeout_s``, so a slow or unreachable replica never blocks the event loop, and never holds a request longer than
 the deadline (``EngineUnreachable`` then; the thread finishes on its own, bounded by the client's timeout).
+The calls that free or write cache (``threaded``) run on a thread in both cases (an in-process engine's disk tier
+writes files), with the deadline for a remote engine only.
 
 ``StatsSnapshot`` is the engine's stats as the metrics collector reads them: refreshed in the background, so a scrape
 never waits on the network.
@@ -22,7 +26,16 @@ from typing import Any, TypeVar
 
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.remote_errors import EngineUnreachable
-from backend.engine_client.values import CacheFootprint, CacheSettings, EngineError, EngineInfo, EngineStats, PinResult
+from backend.engine_client.values import (
+    CacheFootprint,
+    CacheSettings,
+    EngineError,
+    EngineInfo,
+    EngineStats,
+    ErasureResult,
+    InvalidationResult,
+    PinResult,
+)
 
 log = logging.getLogger("kvchat.engine_client")
 T = TypeVar("T")
@@ -35,10 +48,23 @@ def blocks(engine: EngineClient) -> bool:
     return bool(getattr(engine, "control_blocks", False))
 
 
-async def call(engine: EngineClient, fn: Callable[..., T], *args: Any, timeout_s: float = TIMEOUT_S, **kw: Any) -> T:
-    """``fn(*args, **kw)``, one of ``engine``'s control methods: in place, or on a thread within ``timeout_s``."""
+async def call(engine: EngineClient, fn: Callable[..., T], *args: Any, timeout_s: float | None = None, **kw: Any) -> T:
+    """``fn(*args, **kw)``, one of ``engine``'s control methods: in place, or on a thread within the deadline
+    (``timeout_s``, else ``TIMEOUT_S``)."""
     if not blocks(engine):
         return fn(*args, **kw)
+    return await _within(fn, args, kw, TIMEOUT_S if timeout_s is None else timeout_s)
+
+
+async def threaded(engine: EngineClient, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """``fn(*args, **kw)`` on a thread (it may write to disk, even in process); within ``TIMEOUT_S`` for an engine
+    behind the network."""
+    if not blocks(engine):
+        return await asyncio.to_thread(functools.partial(fn, *args, **kw))
+    return await _within(fn, args, kw, TIMEOUT_S)
+
+
+async def _within(fn: Callable[..., T], args: tuple[Any, ...], kw: dict[str, Any], timeout_s: float) -> T:
     try:
         async with asyncio.timeout(timeout_s):
             return await asyncio.to_thread(functools.partial(fn, *args, **kw))
@@ -65,6 +91,36 @@ async def unpin(engine: EngineClient, namespace: str) -> int:
 
 async def cache_settings(engine: EngineClient) -> CacheSettings:
     return await call(engine, engine.cache_settings)
+
+
+async def configure_cache(engine: EngineClient, **changes: object) -> CacheSettings:
+    return await threaded(engine, engine.configure_cache, **changes)  # (a lower disk cap deletes files)
+
+
+async def release_session(engine: EngineClient, session: str) -> int:
+    return await threaded(engine, engine.release_session, session)  # (demoted to disk where there is a disk tier)
+
+
+async def erase_session(engine: EngineClient, session: str, namespace: str) -> ErasureResult:
+    return await threaded(engine, engine.erase_session, session, namespace)
+
+
+async def invalidate(
+    engine: EngineClient, namespace: str, *, session: str | None, from_position: int | None, reason: str
+) -> InvalidationResult:
+    return await threaded(
+        engine, engine.invalidate, namespace, session=session, from_position=from_position, reason=reason
+    )
+
+
+async def invalidate_prefix(
+    engine: EngineClient, namespace: str, token_ids: Sequence[int], from_position: int, reason: str
+) -> InvalidationResult:
+    return await threaded(engine, engine.invalidate_prefix, namespace, token_ids, from_position, reason)
+
+
+async def flush_namespace(engine: EngineClient, namespace: str, reason: str) -> InvalidationResult:
+    return await threaded(engine, engine.flush_namespace, namespace, reason)
 
 
 class StatsSnapshot:

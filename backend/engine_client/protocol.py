@@ -12,12 +12,12 @@ Calling it:
 - ``generate`` is the one stream, and the one bridge from the engine's thread to the event loop: an async iterator
   of ``TokenDelta`` events, then one ``RequestFinished``; closing it early aborts the request, as does ``abort``.
 - Tokenizing takes milliseconds for a long chat: callers run it off the event loop (``backend/core/offload.py``).
-- Cache control that may write or delete disk files (``invalidate``, ``flush_namespace``, ``release_session``,
-  ``erase_session``, ``configure_cache``) — or, for a remote engine, wait on the network — is called through
-  ``asyncio.to_thread``, never on the event loop. The reads and pins (``stats``, ``session_footprint``,
-  ``pin_prefix``, ``unpin``, ``cache_settings``) are awaited through ``backend/engine_client/control.py``: in place
-  for the in-process engine (bookkeeping in memory), on a thread with a deadline for one whose ``control_blocks``
-  is true (a remote engine).
+- Every control call is awaited through ``backend/engine_client/control.py``, with a deadline for an engine whose
+  ``control_blocks`` is true (a remote engine). Cache control that may write or delete disk files
+  (``invalidate``, ``invalidate_prefix``, ``flush_namespace``, ``release_session``, ``erase_session``,
+  ``configure_cache``) runs on a thread for every engine (``control.threaded``); the reads and pins (``stats``,
+  ``session_footprint``, ``pin_prefix``, ``unpin``, ``cache_settings``) run in place for the in-process engine
+  (bookkeeping in memory).
 """
 
 from __future__ import annotations

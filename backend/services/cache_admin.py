@@ -28,7 +28,6 @@ Decisions:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -105,9 +104,7 @@ async def flush_session(
     await store.get_session(db, tenant.id, session_id)
     reason = InvalidationReason.ADMIN_FLUSH
     namespace = namespace_of(namespaces, tenant)
-    result = await asyncio.to_thread(
-        engine.invalidate, namespace, session=session_id, from_position=0, reason=reason.value
-    )
+    result = await control.invalidate(engine, namespace, session=session_id, from_position=0, reason=reason.value)
     await _record(db, tenant.id, session_id, reason, result.blocks_freed, result.tokens_freed)
     return result
 
@@ -122,7 +119,7 @@ async def flush_tenant(
             "private first"
         )
     reason = InvalidationReason.ADMIN_FLUSH
-    result = await asyncio.to_thread(engine.flush_namespace, namespace_of(namespaces, tenant), reason.value)
+    result = await control.flush_namespace(engine, namespace_of(namespaces, tenant), reason.value)
     await _record(db, tenant.id, None, reason, result.blocks_freed, result.tokens_freed)
     return result
 
@@ -142,7 +139,7 @@ async def erase_coarsely(engine: EngineClient, choice: ReplicaErase, erased: Era
     unsupported = report.with_outcome(ReplicaOutcome.UNSUPPORTED)
     if choice is not ReplicaErase.RESET_CACHE or not unsupported or not isinstance(engine, PrefixCacheReset):
         return erased
-    reset = await asyncio.to_thread(engine.reset_prefix_caches, unsupported)
+    reset = await control.threaded(engine, engine.reset_prefix_caches, unsupported)
     for result in reset.results:
         log.warning("erasure: the whole prefix cache of %s: %s", result.replica, result.outcome.value)
     return ReportedErasure(erased.memory_blocks, erased.disk_blocks, report.replaced(reset))
@@ -203,7 +200,7 @@ async def prefix_edited(
     freed: InvalidationResult | None = None
     if CacheScope(tenant.cache_scope) is CacheScope.PRIVATE:
         reason = InvalidationReason.TENANT_PROMPT_EDITED
-        freed = await asyncio.to_thread(engine.flush_namespace, namespace_of(namespaces, tenant), reason.value)
+        freed = await control.flush_namespace(engine, namespace_of(namespaces, tenant), reason.value)
         await context_store.record_invalidation(
             db, tenant.id, None, reason, actor, freed.blocks_freed, freed.tokens_freed
         )

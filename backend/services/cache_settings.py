@@ -7,7 +7,6 @@ engine serves every tenant, so these settings are every tenant's at once.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,8 +28,7 @@ async def configure(engine: EngineClient, changes: Mapping[str, Any]) -> CacheSe
     if not changes:
         return await control.cache_settings(engine)
     try:
-        # NOTE: off the event loop: a lower disk cap deletes files
-        return await asyncio.to_thread(engine.configure_cache, **changes)
+        return await control.configure_cache(engine, **changes)
     except InvalidRequestError as exc:
         raise InvalidCacheSettingsError(str(exc)) from exc
 

@@ -31,7 +31,6 @@ when its turn waited behind another of the session).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -54,6 +53,7 @@ from backend.core.namespaces import Namespaces
 from backend.core.offload import run_cpu
 from backend.db.models import ChatSession, Message, Tenant, TenantContextSettings
 from backend.domain import InvalidationReason, MessageRole, MessageStatus
+from backend.engine_client import control
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import InvalidationResult, SegmentedPrompt, TokenizedPrompt, common_prefix
 from backend.services import context_store
@@ -342,8 +342,8 @@ class ContextService:
         ``namespace``: the tenant's, when the caller just read it (else it is read here)."""
         async with self._sm() as db:
             namespace = namespace or await self.namespace_of(db, tenant_id)
-            result = await asyncio.to_thread(
-                self._engine.invalidate, namespace, session=session_id, from_position=from_position, reason=reason.value
+            result = await control.invalidate(
+                self._engine, namespace, session=session_id, from_position=from_position, reason=reason.value
             )
             await context_store.record_invalidation(
                 db, tenant_id, session_id, reason, actor, result.blocks_freed, result.tokens_freed

@@ -34,6 +34,7 @@ from backend.core.namespaces import Namespaces
 from backend.core.offload import run_cpu
 from backend.db.models import HandbookSection, Tenant
 from backend.domain import InvalidationReason, MessageRole
+from backend.engine_client import control
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import InvalidationResult, SegmentedPrompt, common_prefix
 from backend.services import context_store
@@ -175,8 +176,8 @@ async def forget_text(
             ids, start = await asyncio.to_thread(_section_ids, engine, tenant.system_prompt, tenant.policy_text, chain)
             if start is None:
                 continue
-            freed = await asyncio.to_thread(
-                engine.invalidate_prefix, namespace, ids, start, InvalidationReason.HANDBOOK_EDITED.value
+            freed = await control.invalidate_prefix(
+                engine, namespace, ids, start, InvalidationReason.HANDBOOK_EDITED.value
             )
             total = InvalidationResult(
                 total.blocks_freed + freed.blocks_freed,

@@ -15,8 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -101,6 +103,38 @@ async def test_a_reconnect_to_the_other_worker_mid_reply_resumes_without_gap_or_
     assert welcome["in_flight"]["text"] + "".join(deltas) == completed["text"]  # no gap, no duplicate
     assert deltas, "nothing streamed through worker B"
     assert completed["status"] == "complete"
+
+
+async def _frames_heard(server: ServerProcess) -> float:
+    """The worker's ``kvchat:fanout_frames_heard_total`` (``/metrics``, answered on loopback)."""
+    async with httpx.AsyncClient(base_url=server.http, timeout=TIMEOUT_S) as http:
+        text = (await http.get("/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return sum(s.value for s in families["kvchat:fanout_frames_heard"].samples if s.name.endswith("_total"))
+
+
+async def test_a_worker_without_a_socket_of_a_session_hears_none_of_its_deltas(workers: list[ServerProcess]) -> None:
+    a, b = workers
+    await asyncio.sleep(2.0)  # (the earlier tests' sockets are closed and announced: the tenant's cap is 3)
+    async with (
+        websockets.connect(a.ws, max_queue=None) as only_on_a,
+        websockets.connect(a.ws, max_queue=None) as shared_on_a,
+        websockets.connect(b.ws, max_queue=None) as shared_on_b,
+    ):
+        await _hello(only_on_a)  # session S: no socket on B
+        shared = (await _hello(shared_on_a))["session_id"]  # session T: a socket on each worker
+        await _hello(shared_on_b, shared)
+        before = await _frames_heard(b)
+        for ws, msg in ((only_on_a, "s1"), (shared_on_a, "t1")):  # both replies stream on A
+            await ws.send(json.dumps({"type": "user.message", "client_msg_id": msg, "text": "Where is my parcel?"}))
+        await _until(only_on_a, "message.completed")
+        await _until(shared_on_a, "message.completed")
+        seen_on_b = await _until(shared_on_b, "message.completed")
+        await asyncio.sleep(0.5)  # (anything of S that reached B would have by now: A sent it in one stream with T's)
+        heard = await _frames_heard(b) - before
+    deltas_on_b = sum(f["type"] == "message.delta" for f in seen_on_b)
+    assert deltas_on_b > 0  # T's reply reached B's socket through the fan-out
+    assert heard == len(seen_on_b)  # every frame B heard was T's: none of S's
 
 
 async def test_the_tenant_cap_counts_the_sockets_of_both_workers(workers: list[ServerProcess]) -> None:

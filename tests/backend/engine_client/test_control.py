@@ -6,13 +6,18 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from backend.engine_client import control
+from backend.engine_client.remote import RemoteEngine
 from backend.engine_client.remote_errors import EngineUnreachable
 from backend.engine_client.values import EngineStopped
+from backend.engine_client.wire import encode
 from engine.llm_engine import LLMEngine
+from support.fake_replica import FakeReplica
 
 pytestmark = pytest.mark.anyio
 
@@ -74,3 +79,58 @@ async def test_the_snapshot_is_what_the_last_refresh_read(tiny_engine: LLMEngine
     slow.fail = True
     await snapshot.refresh()
     assert snapshot.read() is None  # an engine that cannot be read shows no gauges, not stale ones
+
+
+# ---------------------------------------------------------------- the calls that free or write cache, on a thread
+
+DEADLINE_S = 0.3
+CLIENT_TIMEOUT_S = 3.0  # the remote client's own timeout: the deadline, not this, must end each call
+
+
+@pytest.fixture(scope="module")
+def silent_replica(tiny_engine: LLMEngine) -> Iterator[FakeReplica]:
+    info = {"engine": "kvchat", "model": "kvchat/tiny", "info": encode(tiny_engine.info), "prompt_limit": 2048}
+    fake = FakeReplica(info)
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+async def unanswering(
+    silent_replica: FakeReplica, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[RemoteEngine]:
+    """A remote engine whose replica started fine and now answers no control call."""
+    engine = RemoteEngine(silent_replica.url, model=str(tiny_model_dir), timeout_s=CLIENT_TIMEOUT_S, retries=0)
+    await engine.start()
+    silent_replica.silent_control = True
+    monkeypatch.setattr(control, "TIMEOUT_S", DEADLINE_S)
+    yield engine
+    silent_replica.silent_control = False
+    await engine.stop()
+
+
+_CALLS: dict[str, Callable[[RemoteEngine], Awaitable[object]]] = {
+    "release_session": lambda e: control.release_session(e, "s1"),
+    "erase_session": lambda e: control.erase_session(e, "s1", "ns"),
+    "invalidate": lambda e: control.invalidate(e, "ns", session="s1", from_position=0, reason="flushed"),
+    "invalidate_prefix": lambda e: control.invalidate_prefix(e, "ns", [1, 2, 3], 0, "handbook_edited"),
+    "flush_namespace": lambda e: control.flush_namespace(e, "ns", "admin_flush"),
+    "configure_cache": lambda e: control.configure_cache(e, memory_ttl_s=60.0),
+    "reset_prefix_caches": lambda e: control.threaded(e, e.reset_prefix_caches, [e.url]),
+}
+
+
+@pytest.mark.parametrize("name", list(_CALLS))
+async def test_a_replica_that_does_not_answer_is_unreachable_at_the_deadline(
+    unanswering: RemoteEngine, name: str
+) -> None:
+    began = time.monotonic()
+    with pytest.raises(EngineUnreachable, match=rf"did not answer {name} within 0\.3 s"):
+        await _CALLS[name](unanswering)
+    assert time.monotonic() - began < CLIENT_TIMEOUT_S  # (ended by the deadline, not by the client giving up)
+
+
+async def test_an_in_process_engine_frees_on_a_thread_without_a_deadline(tiny_engine: LLMEngine) -> None:
+    assert await control.release_session(tiny_engine, "no-such-session") == 0
+    freed = await control.invalidate(tiny_engine, "ns", session="no-such-session", from_position=0, reason="flushed")
+    assert (freed.blocks_freed, freed.tokens_freed) == (0, 0)
