@@ -22,6 +22,7 @@ import websockets
 from sqlalchemy import event
 from test_ws_chat import TIMEOUT, Chat
 
+from backend.chat import agent_desk
 from backend.chat.reply_stream import ReplyStreamer
 from engine.llm_engine import LLMEngine
 from engine.tokenizer import Tokenizer
@@ -110,6 +111,9 @@ async def test_a_turn_reads_its_context_once_and_tokenizes_its_prompt_once(
 ) -> None:
     statements = Statements(monkeypatch)
     tokenizer = TokenizerCalls(monkeypatch)
+    # NOTE: the hand-off settings are read at most every SETTINGS_TTL_S, not per turn: a slow first turn must not
+    # put that read into the second's count
+    monkeypatch.setattr(agent_desk, "SETTINGS_TTL_S", 3600.0)
     event.listen(live.state.db_engine.sync_engine, "before_cursor_execute", statements)
     event.listen(live.state.db_engine.sync_engine, "commit", statements.commit)
     done = await _second_turn(live, statements, tokenizer)
