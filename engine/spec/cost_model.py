@@ -104,6 +104,9 @@ MEASURED: dict[tuple[str, torch.dtype], DraftCostModel] = {
     ("AVX-512 + AVX512-BF16", BF16): DraftCostModel(
         base_ms=((1, 10.1), (2, 10.9), (4, 11.9), (8, 18.5), (16, 29.2)), row_ms=1.06, acceptance=0.5
     ),
+    ("AVX-512 + AVX512-BF16", F32): DraftCostModel(
+        base_ms=((1, 24.3), (2, 21.5), (4, 29.4), (8, 31.3), (16, 55.6)), row_ms=1.99, acceptance=0.5
+    ),
 }
 
 

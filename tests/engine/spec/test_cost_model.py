@@ -49,7 +49,7 @@ def test_kinds_not_measured_draft_for_a_lone_sequence_only() -> None:
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_zen4_has_its_own_model_in_both_dtypes(dtype: torch.dtype) -> None:
     zen4 = frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})
     model = for_machine(dtype, flags=zen4)
