@@ -1,5 +1,6 @@
-"""The small CPU kernels of ``csrc/cpu_kernels/`` (a file per operation): paged decode attention, RMSNorm (+ residual
-add), RoPE + KV store, SwiGLU and argmax, one C call each instead of several torch ops a layer.
+"""The small CPU kernels of ``csrc/cpu_kernels/`` (a file per operation): paged decode attention (and its verify
+variant: a decode row and its drafts in one pass over the K/V), RMSNorm (+ residual add), RoPE + KV store, SwiGLU
+and argmax, one C call each instead of several torch ops a layer.
 
 Decode attention reads K/V in place through the block table (torch gathers a padded copy first), in work items of
 (sequence, kv head, ``PART`` tokens) whose partial softmaxes a second pass merges (split-K, so one long sequence still
@@ -34,6 +35,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr]
     fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, i64]
     fn.restype = None
+    verify = lib.kvchat_paged_verify
+    verify.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, i64]
+    verify.argtypes += [i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, i64]
+    verify.restype = None
     rope = lib.kvchat_rope_store
     rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
     rope.restype = None
@@ -202,6 +207,44 @@ def paged_decode(
         out.stride(0),
         out_rows.data_ptr(),
         batch,
+        *attention_args(q, k_cache, scale),
+        PART,
+    )
+
+
+def paged_verify(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    first_rows: torch.Tensor,
+    counts: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """The rows of verify items (a decode row and its drafts): item ``s``'s row ``r`` is flat row
+    ``first_rows[s] + r`` of ``q`` and ``out`` (``r < counts[s]``) and attends the first ``lens[s] + r`` tokens of
+    its sequence, with the bits ``paged_decode`` gives it as a decode row of its own; K/V are read once per item.
+
+    Shapes as ``paged_decode``'s; ``first_rows``, ``counts``, ``lens``: int64 ``[S]``; ``table``: ``[S, max_blocks]``.
+    """
+    items, max_blocks = table.shape
+    lib.kvchat_paged_verify(
+        q.data_ptr(),
+        q.stride(0),
+        first_rows.data_ptr(),
+        counts.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.shape[1],
+        table.data_ptr(),
+        max_blocks,
+        lens.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        items,
         *attention_args(q, k_cache, scale),
         PART,
     )

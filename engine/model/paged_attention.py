@@ -81,6 +81,27 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class DecodeRows:
+    """Some rows of the decode group, as the lone-row C kernel takes them."""
+
+    rows: torch.Tensor  # int64 [B] row index into the flat batch
+    table: torch.Tensor  # int64 [B, max_blocks]
+    lens: torch.Tensor  # int64 [B] kv lengths
+
+
+@dataclass(slots=True)
+class VerifyGroup:
+    """The step's verify items (a decode row and its drafts each), for the C verify kernel, which reads an item's K/V
+    once for all its rows. The decode group holds their rows too, one by one, for the paths without that kernel."""
+
+    first_rows: torch.Tensor  # int64 [S] each item's decode row in the flat batch (its drafts follow it)
+    counts: torch.Tensor  # int64 [S] rows of each item
+    lens: torch.Tensor  # int64 [S] kv length of each item's decode row
+    table: torch.Tensor  # int64 [S, max_blocks]
+    plain: DecodeRows | None  # the decode group's other rows (None: there are none)
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     """Everything about a step's batch that every layer reuses; built once per forward."""
 
@@ -89,6 +110,7 @@ class AttentionPlan:
     block_size: int
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode: DecodeGroup | None = None
+    verify: VerifyGroup | None = None
     use_flash: bool = False
     # The C kernel the table picks per (op, dtype, gather), None for a torch row: asked once per step, not per layer.
     kernels: dict[tuple[Op, torch.dtype, bool], ctypes.CDLL | None] = field(default_factory=dict)
@@ -108,12 +130,15 @@ def build_plan(
 
     ``verify[i]``: item i is a decode token followed by draft tokens (engine.spec). Each of its rows is attended as a
     decode row of its own (over the positions up to and including it), for the same reason: a draft row then gets the
-    bits the token would get decoded alone, so accepting it changes no later token."""
+    bits the token would get decoded alone, so accepting it changes no later token. Where the C kernel attends decode
+    rows, the verify kernel takes them instead: the same bits per row, the item's K/V read once (``VerifyGroup``)."""
     slots: list[int] = []
     prefills: list[PrefillSpan] = []
     decode_rows: list[int] = []
     decode_items: list[tuple[int, list[int]]] = []
     decoding: set[int] = set()  # the items with decode rows
+    verifying: list[tuple[int, int, int, list[int]]] = []  # (first row, rows, kv length of the first, blocks)
+    plain: list[int] = []  # indexes into decode_rows of the rows that are not verify rows
     row = 0
     for i, (start_pos, n, table) in enumerate(items):
         slots.extend(_slots(table, start_pos, n, block_size))
@@ -123,8 +148,10 @@ def build_plan(
             for j in range(n):
                 decode_rows.append(row + j)
                 decode_items.append((start_pos + j + 1, table[: (start_pos + j + block_size) // block_size]))
+            verifying.append((row, n, start_pos + 1, used))
             decoding.add(i)
         elif n == 1 and not (prompt is not None and prompt[i]):
+            plain.append(len(decode_rows))
             decode_rows.append(row)
             decode_items.append((kv_len, used))
             decoding.add(i)
@@ -134,6 +161,8 @@ def build_plan(
     plan = AttentionPlan(row, torch.tensor(slots, dtype=torch.long, device=device), block_size, prefills)
     if decode_items:
         plan.decode = _decode_group(decode_rows, decode_items, row, block_size, device, len(decoding) == 1)
+    if verifying and plan.decode is not None:
+        plan.verify = _verify_group(verifying, plan.decode, plain, device)
     plan.use_flash = flash_attn_with_kvcache is not None and device.type == "cuda" and block_size % 256 == 0
     return plan
 
@@ -188,6 +217,23 @@ def _decode_group(
     )
 
 
+def _verify_group(
+    items: list[tuple[int, int, int, list[int]]], group: DecodeGroup, plain: list[int], device: torch.device
+) -> VerifyGroup:
+    width = max(len(b) for *_, b in items)
+    table = torch.tensor([b + [0] * (width - len(b)) for *_, b in items], dtype=torch.long, device=device)
+    rows = None
+    if plain:
+        index = torch.tensor(plain, dtype=torch.long, device=device)
+        decode_table = group.blocks.view(-1, group.max_blocks)
+        rows = DecodeRows(group.rows[index], decode_table[index], group.kv_lens[index])
+
+    def column(at: int) -> torch.Tensor:
+        return torch.tensor([item[at] for item in items], dtype=torch.long, device=device)
+
+    return VerifyGroup(column(0), column(1), column(2), table, rows)
+
+
 def _runs(items: list[tuple[int, list[int]]], one_sequence: bool) -> list[tuple[slice, int]] | None:
     # NOTE: only for the rows of one sequence (a lone decode row, or one decode row and its drafts: they then take
     # the lone row's attention, gather or not, so a draft row gets the bits its token gets decoded alone). With many
@@ -240,12 +286,34 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
         else:
             out[rows] = _attend_prefill(q[rows], k_cache, v_cache, span, plan.use_flash)
     if group is not None and kernel is not None:
-        table = group.blocks.view(-1, group.max_blocks)
-        scale = q.shape[-1] ** -0.5
-        cpu_kernels.paged_decode(kernel, q, group.rows, k_cache, v_cache, table, group.kv_lens, out, group.rows, scale)
+        _attend_c(kernel, q, k_cache, v_cache, plan, group, out)
     elif group is not None:
         out.index_copy_(0, group.rows, _attend_decode(q.index_select(0, group.rows), k_cache, v_cache, group, False))
     return out
+
+
+def _attend_c(
+    kernel: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+    group: DecodeGroup,
+    out: torch.Tensor,
+) -> None:
+    """The decode rows by the C kernels: verify items by the verify kernel, the other rows by the lone-row one."""
+    scale = q.shape[-1] ** -0.5
+    verify = plan.verify
+    if verify is None:
+        table = group.blocks.view(-1, group.max_blocks)
+        cpu_kernels.paged_decode(kernel, q, group.rows, k_cache, v_cache, table, group.kv_lens, out, group.rows, scale)
+        return
+    if verify.plain is not None:
+        rows = verify.plain
+        cpu_kernels.paged_decode(kernel, q, rows.rows, k_cache, v_cache, rows.table, rows.lens, out, rows.rows, scale)
+    cpu_kernels.paged_verify(
+        kernel, q, verify.first_rows, verify.counts, k_cache, v_cache, verify.table, verify.lens, out, scale
+    )
 
 
 def _kernel(plan: AttentionPlan, op: Op, q: torch.Tensor, gather: bool) -> ctypes.CDLL | None:

@@ -93,9 +93,19 @@ UNMEASURED = DraftCostModel(((1, 8.0), (2, 16.0)), row_ms=1.0, acceptance=0.5, m
 
 # (CPU kind, dtype) -> the model measured there with SmolLM2-135M at 1k-token contexts (bench/suffix_decoding.py
 # --cost; docs/benchmarks.md); the acceptance from the 1-session replay (bench/suffix_decoding.py).
+# NOTE: AMX's row cost was measured while each verify row re-read its sequence's K/V (before the verify kernel): an
+# upper bound there now. Zen 4's (also the kind of Zen 5, not measured there) are with the verify kernel, the median
+# over the batches and draft counts of (step - step without drafts) / rows; its attention is ~0.44 ms of the 1.06 at
+# 1k in bf16 (bench/verify_attention.py), the rest the row's linear products.
 MEASURED: dict[tuple[str, torch.dtype], DraftCostModel] = {
     ("AMX", BF16): DraftCostModel(
         base_ms=((1, 16.0), (2, 17.2), (4, 20.9), (8, 26.5), (16, 39.8)), row_ms=1.06, acceptance=0.5
+    ),
+    ("AVX-512 + AVX512-BF16", BF16): DraftCostModel(
+        base_ms=((1, 10.1), (2, 10.9), (4, 11.9), (8, 18.5), (16, 29.2)), row_ms=1.06, acceptance=0.5
+    ),
+    ("AVX-512 + AVX512-BF16", F32): DraftCostModel(
+        base_ms=((1, 24.3), (2, 21.5), (4, 29.4), (8, 31.3), (16, 55.6)), row_ms=1.99, acceptance=0.5
     ),
 }
 

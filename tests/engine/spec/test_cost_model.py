@@ -47,3 +47,11 @@ def test_kinds_not_measured_draft_for_a_lone_sequence_only() -> None:
         for_machine(torch.bfloat16, flags=frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}))
         is (MEASURED[("AMX", torch.bfloat16)])
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_zen4_has_its_own_model_in_both_dtypes(dtype: torch.dtype) -> None:
+    zen4 = frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})
+    model = for_machine(dtype, flags=zen4)
+    assert model is MEASURED[("AVX-512 + AVX512-BF16", dtype)]
+    assert model.limit(1) > 0  # a lone sequence verifies drafts at the prior acceptance
