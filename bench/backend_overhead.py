@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -40,6 +41,7 @@ from typing import Any
 import websockets
 from websockets.asyncio.client import ClientConnection
 
+from bench.agent_fanout import scratch_database
 from bench.datasets import CONVERSATIONS
 from bench.load import CHAT_TOKEN, LoadConfig, Server, running_server
 from bench.reporting import machine_info, reproduce_command, write_json
@@ -185,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="tiny (built here), smollm2, or a model folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-modes", default="inproc", help="comma-separated KVCHAT_ENGINE_MODEs, measured in turn")
+    p.add_argument(
+        "--postgres",
+        metavar="ADMIN_URL",
+        default=None,
+        help="run each server on a scratch Postgres database made from this one (default: SQLite)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p
 
@@ -202,10 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     every: dict[str, list[TurnTiming]] = {}
     for mode in modes:
         os.environ["KVCHAT_ENGINE_MODE"] = mode  # (the server subprocess inherits it: bench.load.running_server)
-        with (
-            tempfile.TemporaryDirectory(prefix="kvchat-overhead-") as workdir,
-            running_server(config, Path(workdir)) as s,
-        ):
+        with contextlib.ExitStack() as stack:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvchat-overhead-"))
+            database = stack.enter_context(scratch_database(args.postgres)) if args.postgres else None
+            s = stack.enter_context(running_server(config, Path(workdir), database))
             turns, wall_s = asyncio.run(measure(s, conversations, args.think_s, args.seed))
         by_mode[mode], every[mode] = summary(turns, wall_s), turns
         print(f"engine mode {mode}: {by_mode[mode]['turns_per_s']} turns/s\n{table(by_mode[mode])}")
@@ -227,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reply_max_tokens": args.max_tokens,
             "max_num_seqs": config.seqs,
             "max_waiting": config.waiting,
-            "database": "sqlite (bench.load's server)",
+            "database": "postgres (a scratch database)" if args.postgres else "sqlite (bench.load's server)",
             "engine_modes": modes,
         },
         "target": {"overhead_ms_p99_max": TARGET_P99_MS},

@@ -136,7 +136,8 @@ class Server:
         raise RuntimeError("no VmRSS in /proc/<pid>/status")
 
 
-def server_env(config: LoadConfig, model_path: str, data_dir: Path) -> dict[str, str]:
+def server_env(config: LoadConfig, model_path: str, data_dir: Path, database_url: str | None = None) -> dict[str, str]:
+    """The server's settings; ``database_url``: its database (default: a SQLite file in ``data_dir``)."""
     tiny = config.model == "tiny"
     return {
         "KVCHAT_MODEL": model_path,
@@ -144,7 +145,7 @@ def server_env(config: LoadConfig, model_path: str, data_dir: Path) -> dict[str,
         "KVCHAT_ENGINE_DTYPE": "float32" if tiny else "auto",
         "KVCHAT_MAX_KV_MEMORY_MB": "64" if tiny else "512",
         "KVCHAT_DATA_DIR": str(data_dir),
-        "KVCHAT_DATABASE_URL": f"sqlite:///{data_dir / 'kvchat.db'}",
+        "KVCHAT_DATABASE_URL": database_url or f"sqlite:///{data_dir / 'kvchat.db'}",
         "KVCHAT_BOOTSTRAP_CHAT_TOKEN": CHAT_TOKEN,
         "KVCHAT_BOOTSTRAP_ADMIN_KEY": "load-admin-key",
         "KVCHAT_MAX_NUM_SEQS": str(config.seqs),
@@ -159,7 +160,7 @@ def server_env(config: LoadConfig, model_path: str, data_dir: Path) -> dict[str,
 
 
 @contextmanager
-def running_server(config: LoadConfig, workdir: Path) -> Iterator[Server]:
+def running_server(config: LoadConfig, workdir: Path, database_url: str | None = None) -> Iterator[Server]:
     """``kvchat serve`` as a subprocess (so its memory and GIL are its own), stopped with SIGTERM afterwards."""
     model_path = config.model
     if config.model == "tiny":
@@ -167,7 +168,8 @@ def running_server(config: LoadConfig, workdir: Path) -> Iterator[Server]:
 
         model_path = str(build_tiny_model(workdir / "tiny-model", suppress_eos=True))
     port = free_port()
-    env = os.environ | server_env(config, model_path, workdir) | {"KVCHAT_HOST": "127.0.0.1", "KVCHAT_PORT": str(port)}
+    listen = {"KVCHAT_HOST": "127.0.0.1", "KVCHAT_PORT": str(port)}
+    env = os.environ | server_env(config, model_path, workdir, database_url) | listen
     log_path = workdir / "server.log"
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
