@@ -147,9 +147,6 @@ class TurnPath:
 
     async def submit(self, tenant: Tenant, session_id: str, frame: UserMessage, reply_to: Send) -> None:
         """Steps 1 to 5; returns once the message is stored and its turn queued (the reply streams in a task)."""
-        # NOTE: the message's vector for step 7's section choice, encoded on a worker thread while steps 1-2 run;
-        # the tenant's jobs run in order, so step 7 finds it cached (a lost race costs nothing: it encodes then).
-        _warming(run_cpu(tenant.id, self._context.warm, tenant, frame.text))
         await self._answerable.check(tenant.id, _prefix_text(tenant), frame.text, self.budget)  # 1
         stored = await self._store_and_read(tenant.id, session_id, frame)  # 2
         message = stored.message
@@ -446,22 +443,6 @@ class TurnPath:
             await self._context.observe_reply(turn.context, message, turn.topic.epoch)
         except Exception:  # NOTE: as for the customer's message: the reply is stored either way; its blocks are extra
             log.exception("the context layer failed on reply %s/%d", turn.session_id, message.seq)
-
-
-def _warming(job: Awaitable[None]) -> None:
-    """Let a warm-up job run on its own; its failure is logged, never the turn's."""
-
-    def done(task: asyncio.Future[None]) -> None:
-        _WARMING.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("warming a message's vector failed", exc_info=task.exception())
-
-    task = asyncio.ensure_future(job)
-    _WARMING.add(task)  # (a reference: the loop keeps only weak ones)
-    task.add_done_callback(done)
-
-
-_WARMING: set[asyncio.Future[None]] = set()
 
 
 async def _settled(task: asyncio.Task[None] | None) -> None:

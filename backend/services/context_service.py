@@ -62,7 +62,7 @@ from backend.services.context_history import epochs_of, history_message, in_orde
 from backend.services.context_store import ContextSettings, RuleSetCache
 from backend.services.handbook import HandbookCache
 from backend.services.session_context import LastPrompt, Observation, Plan, PreparedPrompt, SessionContext
-from backend.services.shared_scorer import section_embedder, shared_scorer
+from backend.services.shared_scorer import shared_scorer
 from backend.tools.family import detect_family
 from backend.tools.prompt import offer
 from backend.tools.types import ToolFamily, ToolSpec
@@ -94,13 +94,6 @@ class ContextService:
         self._last: dict[str, LastPrompt] = {}
 
     # ------------------------------------------------------------------ messages
-
-    def warm(self, tenant: Tenant, text: str) -> None:
-        """Encode a customer message for the handbook section choice ahead of its turn (a worker thread, while the
-        message's transaction runs): the turn's CPU step then finds its vector cached instead of encoding it there.
-        A no-op for a tenant without a handbook, or when the choice reads no vectors."""
-        if tenant.handbook_version > 0 and self.choice.bm25_weight < 1.0:
-            section_embedder().embed([text])
 
     def plan(
         self,

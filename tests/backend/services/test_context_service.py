@@ -8,11 +8,10 @@ import pytest
 from backend.context.shift_classifier import ShiftClassifier
 from backend.core.namespaces import Namespaces
 from backend.db.engine import create_db_engine, create_sessionmaker
-from backend.db.models import Tenant
 from backend.domain import MessageStatus
 from backend.services import sessions as store
 from backend.services.context_service import ContextService, SessionContext
-from backend.services.shared_scorer import section_embedder, shared_scorer
+from backend.services.shared_scorer import shared_scorer
 from backend.services.tenants import bootstrap_default_tenant
 from engine.llm_engine import LLMEngine
 
@@ -32,21 +31,6 @@ def test_prepare_fills_the_classifiers_cache_and_is_a_no_op_for_the_others() -> 
     assert isinstance(inner, ShiftClassifier)
     assert "Your replacement ships tomorrow." in inner.embedder._cache  # type: ignore[attr-defined]
     shared_scorer("tfidf").prepare("Your replacement ships tomorrow.")  # nothing to embed: no error
-
-
-def test_warm_encodes_a_customer_message_for_the_section_choice_only_where_a_handbook_is(
-    tiny_engine: LLMEngine,
-) -> None:
-    """The chat warms a message's vector while its transaction runs; the turn's section choice then finds it."""
-    context = ContextService(
-        create_sessionmaker(create_db_engine("sqlite+aiosqlite://")), tiny_engine, Namespaces(b"s")
-    )
-    cache = section_embedder()._embedder._cache
-    with_handbook, without = Tenant(name="a", handbook_version=1), Tenant(name="b", handbook_version=0)
-    context.warm(without, "Where is my kettle, please?")
-    assert "Where is my kettle, please?" not in cache
-    context.warm(with_handbook, "Where is my kettle, please?")
-    assert "Where is my kettle, please?" in cache
 
 
 # ---------------------------------------------------------------------- one context read per turn
