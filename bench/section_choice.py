@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from backend.context.handbook import HandbookFormat, parse
 from backend.context.rules import DEFAULT_RULES, RuleSet
-from backend.context.sections import ChoiceSettings, SectionIndex, choose
+from backend.context.sections import ChoiceSettings, SectionIndex, choose, next_choice
 from backend.context.similarity import MiniLMSimilarity
 from backend.context.topic import TopicSettings, TopicTracker, identifier_keys
 from backend.domain import MessageRole
@@ -40,19 +40,7 @@ def choose_joined(index: SectionIndex, messages: Sequence[str], settings: Choice
     for message in messages:
         query = f"{query}\n{message}" if query else message
         ranked = index.ranked(query, settings.bm25_weight, settings.example_weight, settings.group_weight)
-        if not ranked or ranked[0].score < settings.min_score:
-            continue
-        best = ranked[0]
-        if chosen:
-            kept = next(r.score for r in ranked if r.index == chosen[0])
-            if best.index == chosen[0] or best.score < kept + settings.switch_margin:
-                continue
-        second = ranked[1] if len(ranked) > 1 else None
-        chosen = (
-            (best.index, second.index)
-            if second and second.score >= settings.second_ratio * best.score
-            else (best.index,)
-        )
+        chosen = next_choice(chosen, ranked, settings)
     return chosen
 
 

@@ -209,16 +209,8 @@ class TurnPath:
                 await store.await_reply(db, message)  # a retry restarts a turn that left no reply: owed one again
             await db.commit()
             return Stored(message, True, before, reply, ctx, setup, handoff, read_again)
-        status = MessageStatus.AWAITING_REPLY if _bot_answers(before, frame.text) else MessageStatus.COMPLETE
-        message = Message(
-            session_id=session_id,
-            seq=ctx.last_seq + 1,
-            role=MessageRole.USER.value,
-            content=frame.text,
-            client_msg_id=frame.client_msg_id,
-            status=status.value,
-        )
-        db.add(message)
+        awaiting = _bot_answers(before, frame.text)
+        message = store.new_user_message(db, session_id, ctx.last_seq + 1, frame.client_msg_id, frame.text, awaiting)
         await db.commit()
         return Stored(message, False, before, None, ctx.with_message(message), setup, handoff, read_again)
 

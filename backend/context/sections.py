@@ -170,20 +170,24 @@ def choose(index: SectionIndex, messages: Sequence[str], settings: ChoiceSetting
         query = f"{query}\n{message}" if query else message
         vector = None if vectors is None else vectors[0] if n == 0 else _unit(vectors[: n + 1].mean(axis=0))
         weights = (settings.bm25_weight, settings.example_weight, settings.group_weight)
-        ranked = index.ranked(query, *weights, vector=vector)
-        if not ranked or ranked[0].score < settings.min_score:
-            continue
-        best = ranked[0]
-        if chosen:
-            kept = next(r.score for r in ranked if r.index == chosen[0])
-            if best.index == chosen[0] or best.score < kept + settings.switch_margin:
-                continue
-        second = ranked[1] if len(ranked) > 1 else None
-        if second is not None and second.score >= settings.second_ratio * best.score:
-            chosen = (best.index, second.index)
-        else:
-            chosen = (best.index,)
+        chosen = next_choice(chosen, index.ranked(query, *weights, vector=vector), settings)
     return chosen
+
+
+def next_choice(chosen: tuple[int, ...], ranked: Sequence[Ranked], settings: ChoiceSettings) -> tuple[int, ...]:
+    """The sections after one more message, from its ranking: the ones ``chosen`` so far unless a clearly better one
+    passes ``min_score`` (by ``switch_margin``); a close second (``second_ratio``) joins the best."""
+    if not ranked or ranked[0].score < settings.min_score:
+        return chosen
+    best = ranked[0]
+    if chosen:
+        kept = next(r.score for r in ranked if r.index == chosen[0])
+        if best.index == chosen[0] or best.score < kept + settings.switch_margin:
+            return chosen
+    second = ranked[1] if len(ranked) > 1 else None
+    if second is not None and second.score >= settings.second_ratio * best.score:
+        return (best.index, second.index)
+    return (best.index,)
 
 
 def _unit(x: Array) -> Array:

@@ -132,16 +132,7 @@ async def add_user_message(
         return existing, True
     if locked is None:
         await _lock_session(db, session_id)  # (its update is the session's last activity)
-    status = MessageStatus.AWAITING_REPLY if awaiting_reply else MessageStatus.COMPLETE
-    message = Message(
-        session_id=session_id,
-        seq=await _next_seq(db, session_id),
-        role=MessageRole.USER.value,
-        content=text,
-        client_msg_id=client_msg_id,
-        status=status.value,
-    )
-    db.add(message)
+    message = new_user_message(db, session_id, await _next_seq(db, session_id), client_msg_id, text, awaiting_reply)
     try:
         await db.commit()
     except IntegrityError:
@@ -152,6 +143,23 @@ async def add_user_message(
             raise
         return existing, True
     return message, False
+
+
+def new_user_message(
+    db: AsyncSession, session_id: str, seq: int, client_msg_id: str, text: str, awaiting_reply: bool
+) -> Message:
+    """A user message added to the transaction as ``seq`` (read under the session's lock); the caller commits."""
+    status = MessageStatus.AWAITING_REPLY if awaiting_reply else MessageStatus.COMPLETE
+    message = Message(
+        session_id=session_id,
+        seq=seq,
+        role=MessageRole.USER.value,
+        content=text,
+        client_msg_id=client_msg_id,
+        status=status.value,
+    )
+    db.add(message)
+    return message
 
 
 async def await_reply(db: AsyncSession, message: Message) -> None:
