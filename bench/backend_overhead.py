@@ -63,6 +63,7 @@ class TurnTiming:
     first_delta_ms: float
     completed_ms: float
     engine_ttft_ms: float  # usage.ttft_ms
+    steps_ms: dict[str, float] | None = None  # usage.steps_ms: the server's marks, from the frame taken
 
     @property
     def overhead_ms(self) -> float:
@@ -123,7 +124,8 @@ async def _turn(ws: ClientConnection, session: int, turn: int, text: str) -> Tur
                 usage = frame.get("usage")
                 if ack is None or first is None or usage is None:
                     raise RuntimeError(f"a turn without ack, delta or usage: {frame} (raise --max-tokens?)")
-                return TurnTiming(session, turn, ack, first, now, float(usage["ttft_ms"]))
+                steps = usage.get("steps_ms")
+                return TurnTiming(session, turn, ack, first, now, float(usage["ttft_ms"]), steps)
             elif kind == "session.status" and frame["status"] != "bot_active":
                 return None
             elif kind == "error":
@@ -145,8 +147,33 @@ async def measure(
     return [t for session in results for t in session], time.perf_counter() - start
 
 
+# The server's steps (``usage.steps_ms``, backend/chat/turn_marks.py), each timed from the one before it.
+STEPS = ("stored", "started", "planned", "submitted", "first_token", "first_shown")
+
+
+def step_spans(t: TurnTiming) -> dict[str, float] | None:
+    """Each server step's own milliseconds, and ``transit``: the client's send to its first delta less the server's
+    frame-taken to first-shown (the socket both ways and the event loop's queue before the frame is taken)."""
+    if not t.steps_ms or any(s not in t.steps_ms for s in STEPS):
+        return None
+    out, before = {}, 0.0
+    for s in STEPS:
+        out[s] = t.steps_ms[s] - before
+        before = t.steps_ms[s]
+    out["transit"] = t.first_delta_ms - t.steps_ms["first_shown"]
+    return out
+
+
+def step_summary(turns: Sequence[TurnTiming]) -> dict[str, Any]:
+    spans = [s for s in (step_spans(t) for t in turns) if s is not None]
+    if len(spans) < 2:
+        return {}
+    return {k: asdict(Percentiles.of([s[k] for s in spans])) for k in spans[0]}
+
+
 def summary(turns: Sequence[TurnTiming], wall_s: float) -> dict[str, Any]:
     return {
+        "steps_ms": step_summary(turns),
         "turns": len(turns),
         "turns_per_s": round(len(turns) / wall_s, 2),
         "overhead_ms": asdict(Percentiles.of([t.overhead_ms for t in turns])),
@@ -166,6 +193,9 @@ def table(result: dict[str, Any]) -> str:
     }
     for key, label in names.items():
         p = result[key]
+        lines.append(f"| {label} | {p['p50']:.1f} | {p['p90']:.1f} | {p['p99']:.1f} | {p['max']:.1f} |")
+    for key, p in result.get("steps_ms", {}).items():
+        label = f"step {key}" if key != "transit" else "transit (socket both ways + queue before the frame is taken)"
         lines.append(f"| {label} | {p['p50']:.1f} | {p['p90']:.1f} | {p['p99']:.1f} | {p['max']:.1f} |")
     return "\n".join(lines)
 

@@ -158,6 +158,7 @@ class Usage(_Frame):
     prefilled_tokens: int
     completion_tokens: int
     ttft_ms: float
+    steps_ms: dict[str, float] | None = None  # the turn's path timed, from the frame taken (chat/turn_marks.py)
 
 
 class MessageCompleted(_Frame):

@@ -52,9 +52,12 @@ class ReplyStreamer:
         timer = self._metrics.reply_timer(turn.tenant_id) if self._metrics is not None else None
         share = FairShare(turn.tenant_id)  # (the engine's quotas gate sets the tenant's weight: core/tenant_quota.py)
         stream = self._engine.generate(prompt, params, turn.namespace, turn.request_id, turn.session_id, share)
+        turn.marks.mark("submitted")
         async with aclosing(stream):
             async for event in stream:
                 if isinstance(event, TokenDelta):
+                    if not text:
+                        turn.marks.mark("first_token")
                     if timer is not None:
                         timer.delta()
                     # NOTE: a model can emit NUL, which Postgres text cannot store; what is streamed is what is stored.
@@ -81,5 +84,6 @@ class ReplyStreamer:
 
     def _show(self, turn: Turn, text: str) -> None:
         if text:
+            turn.marks.mark("first_shown")
             turn.parts.append(text)
             self._hub.publish(turn.session_id, MessageDelta(client_msg_id=turn.client_msg_id, text=text))

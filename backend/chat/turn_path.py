@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -70,6 +71,7 @@ from backend.chat.reply_setup import ReplySetup
 from backend.chat.reply_stream import ReplyStreamer
 from backend.chat.tool_turn import RESULT_RESERVE_TOKENS, ToolTurn
 from backend.chat.turn import ReplyConfig, with_db_retry
+from backend.chat.turn_marks import TurnMarks
 from backend.chat.turn_state import Turn
 from backend.chat.turns import Turns
 from backend.context.builder import prefix_segments
@@ -147,8 +149,10 @@ class TurnPath:
 
     async def submit(self, tenant: Tenant, session_id: str, frame: UserMessage, reply_to: Send) -> None:
         """Steps 1 to 5; returns once the message is stored and its turn queued (the reply streams in a task)."""
+        marks = TurnMarks(time.perf_counter())
         await self._answerable.check(tenant.id, _prefix_text(tenant), frame.text, self.budget)  # 1
         stored = await self._store_and_read(tenant.id, session_id, frame)  # 2
+        marks.mark("stored")
         message = stored.message
         reply_to(MessageAck(client_msg_id=frame.client_msg_id, seq=message.seq, duplicate=stored.duplicate))  # 3
         if self._metrics is not None and not stored.duplicate:
@@ -171,6 +175,7 @@ class TurnPath:
                 handoff=stored.handoff,
                 observe=not stored.duplicate,
                 read_again=stored.read_again,
+                marks=marks,
             )
             self._turns.start(turn, self._run)
         elif status == stored.before:
@@ -253,6 +258,7 @@ class TurnPath:
         finished: RequestFinished | None = None
         exchange: ToolExchange | None = None
         bookkeeping: asyncio.Task[None] | None = None
+        turn.marks.mark("started")
         try:
             if turn.read_again or turn.context is None:  # 6
                 turn.context, turn.setup = await with_db_retry(
@@ -260,6 +266,7 @@ class TurnPath:
                 )
             setup = turn.setup or ReplySetup(self.reply.defaults)
             plan, grounding = await run_cpu(turn.tenant_id, self._plan, turn, setup)  # 7
+            turn.marks.mark("planned")
             self._start(turn, plan, grounding)
             await self._free_dropped(turn, plan)
             bookkeeping = asyncio.create_task(self._bookkeeping(turn, plan), name=f"bookkeeping-{turn.request_id}")
@@ -416,6 +423,7 @@ class TurnPath:
                 prefilled_tokens=s.prefilled_tokens,
                 completion_tokens=s.completion_tokens,
                 ttft_ms=round(s.ttft_s * 1000, 2),
+                steps_ms=turn.marks.steps_ms(),
             )
         completed = MessageCompleted(
             client_msg_id=turn.client_msg_id,

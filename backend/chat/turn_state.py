@@ -4,11 +4,13 @@ whether it was cancelled or cut off (``backend/chat/turns.py`` keeps them; ``bac
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass, field
 
 from backend.chat.protocol import Topic
 from backend.chat.reply_setup import ReplySetup
+from backend.chat.turn_marks import TurnMarks
 from backend.context.contact_guard import ContactGuard
 from backend.db.models import Message
 from backend.services.context_service import SessionContext
@@ -40,6 +42,7 @@ class Turn:
     task: asyncio.Task[None] | None = None
     topic: Topic | None = None  # the topic of the message it answers (known once the prompt is built)
     guard: ContactGuard | None = None  # what the reply passes through before it is published (with the prompt)
+    marks: TurnMarks = field(default_factory=lambda: TurnMarks(time.perf_counter()))  # its path's steps, timed
 
     @property
     def text(self) -> str:

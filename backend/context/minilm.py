@@ -8,7 +8,9 @@ hidden states over real tokens, L2-normalised, exactly sentence-transformers' Tr
 NOTE: speed. A customer message is encoded while the customer waits (the topic-shift detector), so the weights are
 stored pre-transposed with Q, K and V fused into one matrix, every matmul is 2-D, and BLAS runs on one thread: a
 single short text is ~50 rows, where a second BLAS thread only waits on a core the server is using anyway (on 2
-busy cores, 2 threads were 20x slower than 1 in bench measurements).
+busy cores, 2 threads were 20x slower than 1 in bench measurements). The limit is set once, for the process, when an
+encoder is made: ``threadpool_limits`` as a context manager per call scanned the process's libraries every time
+(about 1 ms, and 12 ms in a server that has torch loaded: 12 % of a turn's plan step in a py-spy profile).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class MiniLMEncoder:
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.tokenizer.enable_truncation(MAX_SEQ_LENGTH)
         self.tokenizer.no_padding()
+        threadpool_limits(1, user_api="blas")  # (for the process's BLAS: see the module's NOTE)
 
     def encode(self, texts: Sequence[str]) -> Array:
         """One row per text, L2-normalised (so a dot product is the cosine similarity)."""
@@ -69,8 +72,7 @@ class MiniLMEncoder:
                 n = len(encodings[i].ids)
                 ids[r, :n] = encodings[i].ids
                 mask[r, :n] = 1.0
-            with threadpool_limits(1, user_api="blas"):
-                out[rows] = self._forward(ids, mask)
+            out[rows] = self._forward(ids, mask)
         return out
 
     def _forward(self, ids: NDArray[np.int64], mask: Array) -> Array:

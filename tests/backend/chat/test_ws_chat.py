@@ -85,6 +85,9 @@ async def test_full_turn_streams_deltas_equal_to_the_stored_reply(live_server: L
         assert done["text"] == deltas
         assert done["usage"]["prompt_tokens"] > 0
         assert done["usage"]["completion_tokens"] >= 1
+        steps = done["usage"]["steps_ms"]  # the turn's path timed, in path order
+        assert list(steps) == ["stored", "started", "planned", "submitted", "first_token", "first_shown"]
+        assert list(steps.values()) == sorted(steps.values())
     async with db_session(live_server) as db:
         rows = (await db.execute(select(Message).order_by(Message.seq))).scalars().all()
     assert [(m.seq, m.role, m.status) for m in rows] == [(1, "user", "complete"), (2, "assistant", "complete")]
