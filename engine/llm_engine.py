@@ -5,7 +5,8 @@ cache control, stats. The parts do the work: ``engine_core`` (the step loop and 
 
 Threading model. One step-loop thread owns the model: it schedules, runs the forward pass (torch releases the GIL),
 samples and detokenizes. Callers live on an asyncio loop. ``generate`` is the one bridge from the step thread to
-asyncio: a request's events reach its ``asyncio.Queue`` through ``call_soon_threadsafe``. Aborts are queued and
+asyncio: a request's events reach its ``asyncio.Queue`` through the caller loop's ``LoopBridge`` (one wake-up of the
+loop per step's burst of events, not one per token). Aborts are queued and
 applied by the step thread between steps.
 
 NOTE: applying aborts between steps (never during one) is what makes them safe: the forward pass writes K/V into the
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from engine.kv.block_hash import BlockHash
 from engine.kv.cache_control import ErasureResult, PinResult
 from engine.kv.kv_cache_manager import CacheFootprint, InvalidationResult
 from engine.kv.tier_config import CacheSettings
+from engine.loop_bridge import LoopBridge
 from engine.openmp import release_thread_pool
 from engine.outputs import GenerationEvent, RequestFinished
 from engine.prompt import TokenizedPrompt
@@ -63,6 +65,7 @@ class LLMEngine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._loaded: concurrent.futures.Future[EngineInfo] | None = None  # set while a loop thread exists
+        self._bridges: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopBridge] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -211,15 +214,13 @@ class LLMEngine:
         """
         if not self.is_running:
             raise EngineStopped("the engine is not running")
-        loop = asyncio.get_running_loop()
+        bridge = self._bridge(asyncio.get_running_loop())
         queue: asyncio.Queue[GenerationEvent | EngineError] = asyncio.Queue()
 
         def sink(event: GenerationEvent | EngineError) -> None:
             # NOTE: the caller's loop may close before the step thread applies the abort its generator's finalizer
-            # queued; an event nobody can receive is dropped, never raised into the step thread (which would fail
-            # every other request in flight, or kill the thread).
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(queue.put_nowait, event)
+            # queued; the bridge drops an event nobody can receive, never raising into the step thread.
+            bridge.put(queue, event)
 
         rid = request_id or uuid.uuid4().hex
         submission, offload = (prompt, params or SamplingParams(), namespace, sink), needs_tokenizing(prompt)
@@ -245,6 +246,14 @@ class LLMEngine:
         finally:
             if not done:
                 self.abort(rid)  # (a request still registering is aborted as soon as it is registered)
+
+    def _bridge(self, loop: asyncio.AbstractEventLoop) -> LoopBridge:
+        """The caller loop's bridge (made on its first request; with the lock: two threads' loops may ask at once)."""
+        with self._lock:
+            bridge = self._bridges.get(loop)
+            if bridge is None:
+                bridge = self._bridges[loop] = LoopBridge(loop)
+            return bridge
 
     def submit(
         self,
