@@ -192,7 +192,9 @@ def turn_record(at_s: float, first: float | None, usage: dict[str, Any] | None) 
     engine = float(usage["ttft_ms"]) / 1000 if usage is not None else None
     backend = None if first is None or engine is None else first - engine
     prompt = None if usage is None else (usage["prompt_tokens"], usage["prefilled_tokens"])
-    return {"at_s": round(at_s, 3), "ttft_s": first, "engine_s": engine, "backend_s": backend, "prompt": prompt}
+    steps = None if usage is None else usage.get("steps_ms")  # (where the backend's part went: chat/turn_marks.py)
+    record = {"at_s": round(at_s, 3), "ttft_s": first, "engine_s": engine, "backend_s": backend, "prompt": prompt}
+    return record | {"steps_ms": steps}
 
 
 async def closed_loop(
