@@ -39,8 +39,16 @@ def encoder_session(w: Weights, layers: int, heads: int, eps: float) -> ort.Infe
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # NOTE: no arena: it keeps the largest batch's buffers for good (~300 MB after 32 texts of 256 tokens) for a few
+    # per cent of speed on one message
+    options.enable_cpu_mem_arena = False
     model = encoder_graph(w, layers, heads, eps).SerializeToString()
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    # NOTE: ORT's Python wrapper keeps the model's bytes (90 MB of weights, a second copy) only to rebuild the
+    # session when it falls back to another execution provider, which a CPU-only session never does; the session
+    # itself holds its own copy. Measured: 111 MB held instead of 198 MB.
+    session._model_bytes = None
+    return session
 
 
 def encoder_graph(w: Weights, layers: int, heads: int, eps: float) -> ModelProto:
