@@ -12,8 +12,9 @@ the history (cropped back after each round): the prefill it must do, nothing els
 Where kvchat's time goes, per round:
 - **engine**: arrival in the engine to its first token (``kvchat:time_to_first_token_seconds``, read from
   ``/metrics`` before and after the request: the server runs nothing else), the prefill of the new tokens included;
-- **template + tokenize**: the chat template rendered and tokenized, timed here with the engine's tokenizer on the
-  same messages (the server does this in a worker thread before the engine sees the prompt);
+- **segments + template + tokenize**: the server's worker-thread step before the engine sees the prompt (the messages
+  split into semantic blocks, the chat template rendered and tokenized by segment), timed here with the same
+  functions (``backend.context.stateless.segment_messages``, ``engine.prompt_encoder.PromptEncoder``);
 - **block hashing**: the prompt's block hash chain (``engine/kv/block_hash.py``), timed here; inside the engine's part;
 - **the rest**: HTTP, the request's parsing and checks, the hops between the event loop and the worker threads, and
   the first chunk out (client time − engine − template and tokenize).
@@ -38,6 +39,7 @@ from typing import Any
 import httpx
 import torch
 
+from backend.context.stateless import segment_messages
 from bench.datasets import CONVERSATIONS, GUIDELINES
 from bench.load import CHAT_TOKEN, LoadConfig, Server, running_server
 from bench.reporting import REPO_ROOT, machine_info, reproduce_command, write_json
@@ -45,6 +47,7 @@ from bench.workload import load_conversations, load_guidelines, render_policy, s
 from engine.device import resolve_dtype
 from engine.kv.block_hash import hash_chain, root_hash
 from engine.model.loader import resolve_model
+from engine.prompt_encoder import PromptEncoder
 from engine.tokenizer import Tokenizer
 
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "v1_followup.json"
@@ -147,6 +150,7 @@ def run(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     if len(questions) < args.rounds + 1:
         raise SystemExit(f"only {len(questions)} short questions in the held-out conversations")
     history_ids = tokenizer.apply_chat_template(history, add_generation_prompt=False)
+    encoder = PromptEncoder(tokenizer, tokenizer.vocab_size, 1 << 20, 1 << 20)
     base = f"http://127.0.0.1:{server.port}"
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {CHAT_TOKEN}"}, timeout=120) as client:
         ask(client, [*history, {"role": "user", "content": questions[0]}])  # caches the history
@@ -160,7 +164,7 @@ def run(server: Server, args: argparse.Namespace) -> dict[str, Any]:
             if ids[:common] != history_ids:
                 raise SystemExit("the chat template does not extend the history's tokens: no common prefix to reuse")
             started = time.perf_counter()
-            tokenizer.apply_chat_template(messages)
+            encoder.encode(segment_messages(messages))
             tokenize_s = time.perf_counter() - started
             started = time.perf_counter()
             hash_chain(root_hash("model", "ns"), ids, 16)
@@ -195,7 +199,7 @@ def run(server: Server, args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
             print(
-                f"round {i + 1}: kvchat {ttft * 1000:.1f} ms (engine {engine_s * 1000:.1f}, template+tokenize "
+                f"round {i + 1}: kvchat {ttft * 1000:.1f} ms (engine {engine_s * 1000:.1f}, segments+template+tokenize "
                 f"{tokenize_s * 1000:.1f}), transformers {hf_s * 1000:.1f} ms, {len(ids)} tokens, {cached} cached",
                 flush=True,
             )
@@ -216,7 +220,7 @@ def table(result: dict[str, Any]) -> str:
     names = {
         "kvchat_ttft_s": "**kvchat through /v1** (client: request → first content chunk)",
         "engine_s": "  the engine (arrival → first token; prefill of the new tokens)",
-        "template_tokenize_s": "  chat template + tokenize (timed here)",
+        "template_tokenize_s": "  segments + chat template + tokenize (the server's worker step, timed here)",
         "rest_s": "  the rest: HTTP, parsing, checks, thread hops, the chunk out",
         "block_hashing_s": "  (block hashing, timed here; inside the engine's part)",
         "transformers_s": "**transformers**, DynamicCache (the new tokens' prefill)",
