@@ -29,15 +29,17 @@ from engine.device import cpu_kind
 class DraftCostModel:
     """Measured step costs, and the draft length that maximises tokens per millisecond for a sequence in a batch.
 
-    With ``b`` sequences decoding, a sequence's share of the step is ``step_ms(b) / b``, and each draft row it
-    verifies adds ``row_ms``. A draft whose first ``i`` tokens are all accepted with chance ``c_i`` yields
-    ``1 + c_1 + ... + c_k`` tokens when its first ``k`` are verified; ``rows`` picks the ``k`` with the most tokens
-    per millisecond of the sequence's share, none where it gains less than ``MIN_GAIN`` over ``k = 0``.
+    With ``b`` sequences decoding, a sequence's share of the step is ``step_ms(b) / b``; each draft row it verifies
+    adds ``row_ms``, and verifying at all adds ``verify_ms / b`` (the verify path; NOTE: charged as if all ``b``
+    sequences verify, since it was measured for a lone one). A draft whose first ``i`` tokens all pass with chance
+    ``c_i`` yields ``1 + c_1 + ... + c_k`` tokens when its first ``k`` are verified; ``rows`` picks the ``k`` with
+    the most tokens per millisecond of the sequence's share, none where it gains less than ``MIN_GAIN`` over ``k = 0``.
     """
 
     base_ms: tuple[tuple[int, float], ...]  # (sequences decoding, step ms without drafts), ascending
     row_ms: float  # what one draft row adds to a step (its linear rows and its decode attention)
     acceptance: float  # the prior of the per-token acceptance against the tree's estimate (``LiveCostModel``)
+    verify_ms: float = 0.0  # what verifying adds to a lone sequence's step beyond its rows
     max_draft_tokens: int = 24  # the tree's depth, as vLLM's suffix method (num_speculative_tokens = depth)
     max_decoding: int = 1 << 30  # no drafts above this many decoding sequences (for kinds not measured)
 
@@ -56,7 +58,8 @@ class DraftCostModel:
         """Tokens per millisecond of a sequence verifying a draft whose first ``i`` tokens all pass with chance
         ``chances[i - 1]``, over the same sequence without drafts."""
         share = self.step_ms(decoding) / decoding
-        return (1 + sum(chances)) * share / (share + len(chances) * self.row_ms)
+        extra = self.verify_ms / decoding + len(chances) * self.row_ms if chances else 0.0
+        return (1 + sum(chances)) * share / (share + extra)
 
     def rows(self, decoding: int, chances: Sequence[float]) -> int:
         """How many tokens of a draft (``chances`` as in ``gain``) one of ``decoding`` sequences verifies (0: none)."""
@@ -157,13 +160,15 @@ UNMEASURED = DraftCostModel(((1, 8.0), (2, 16.0)), row_ms=1.0, acceptance=0.5, m
 # NOTE: AMX's row cost was measured while each verify row re-read its sequence's K/V (before the verify kernel): an
 # upper bound there now. Zen 4's (also the kind of Zen 5, not measured there) are with the verify kernel, the median
 # over the batches and draft counts of (step - step without drafts) / rows; its attention is ~0.44 ms of the 1.06 at
-# 1k in bf16 (bench/verify_attention.py), the rest the row's linear products.
+# 1k in bf16 (bench/verify_attention.py), the rest the row's linear products. A lone sequence's verify step costs
+# 1.3 ms more than its rows there (the mean over k = 2, 4, 8, 16 of step(k) - step(0) - 1.06 k at B = 1); none is seen
+# in the other tables beyond their noise.
 MEASURED: dict[tuple[str, torch.dtype], DraftCostModel] = {
     ("AMX", BF16): DraftCostModel(
         base_ms=((1, 16.0), (2, 17.2), (4, 20.9), (8, 26.5), (16, 39.8)), row_ms=1.06, acceptance=0.5
     ),
     ("AVX-512 + AVX512-BF16", BF16): DraftCostModel(
-        base_ms=((1, 10.1), (2, 10.9), (4, 11.9), (8, 18.5), (16, 29.2)), row_ms=1.06, acceptance=0.5
+        base_ms=((1, 10.1), (2, 10.9), (4, 11.9), (8, 18.5), (16, 29.2)), row_ms=1.06, verify_ms=1.3, acceptance=0.5
     ),
     ("AVX-512 + AVX512-BF16", F32): DraftCostModel(
         base_ms=((1, 24.3), (2, 21.5), (4, 29.4), (8, 31.3), (16, 55.6)), row_ms=1.99, acceptance=0.5

@@ -45,6 +45,14 @@ def test_the_draft_stops_where_its_tokens_become_unlikely() -> None:
     assert MODEL.rows(1, [0.02]) == 0
 
 
+def test_the_verify_paths_own_cost_raises_the_chance_a_lone_first_token_needs() -> None:
+    plain = DraftCostModel(base_ms=((1, 10.0), (16, 30.0)), row_ms=1.0, acceptance=0.5)
+    with_path = DraftCostModel(base_ms=((1, 10.0), (16, 30.0)), row_ms=1.0, verify_ms=2.0, acceptance=0.5)
+    assert plain.rows(1, [0.2]) == 1  # 1.2 tokens for 11 ms against 1 for 10
+    assert with_path.rows(1, [0.2]) == 0  # 1.2 for 13 ms
+    assert with_path.rows(1, [0.9, 0.8, 0.7]) == 3  # longer likely drafts still pay
+
+
 def test_chances_follow_the_tree_scaled_by_the_measured_rate() -> None:
     assert chances([1.0, 1.0, 0.5], 1.0) == [1.0, 1.0, 0.5]
     assert chances([1.0, 1.0, 0.5], 0.5) == [0.5, 0.25, 0.0625]
