@@ -236,10 +236,6 @@ class EngineCore:
         c.verify_steps += 1
         gave = item.num_accepted + 1
         c.tokens_per_verify_step[gave] = c.tokens_per_verify_step.get(gave, 0) + 1
-        if self.drafter is not None:
-            self.drafter.observe(seq.request_id, len(item.drafts), item.num_accepted)
-            if self.drafter.cost is not None:
-                self.drafter.cost.observe(len(item.drafts), item.num_accepted)
 
     def _propose_drafts(self, seqs: list[Seq]) -> None:
         """After a step (under the lock): end the drafting of requests that are gone, and give each request that
@@ -249,8 +245,8 @@ class EngineCore:
         drafter = self.drafter
         if drafter is None:
             return
-        limit = self.scheduler.draft_limit
-        pays = limit is not None and limit(self.scheduler.num_running) > 0
+        limit, decoding = self.scheduler.draft_limit, self.scheduler.num_running
+        pays = limit is not None and limit(decoding) > 0
         for seq in seqs:
             seq.draft_token_ids = []
             rid = seq.request_id
@@ -265,7 +261,7 @@ class EngineCore:
             if not drafter.is_active(rid):
                 drafter.begin(rid, seq.root, seq.prompt_token_ids, session=seq.session)
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.runner.max_model_len - seq.num_tokens) - 1
-            seq.draft_token_ids = drafter.propose(rid, seq.output_token_ids, room)
+            seq.draft_token_ids = drafter.propose(rid, seq.output_token_ids, room, decoding)
         for rid in drafter.active:
             if rid not in self.table:  # aborted or failed since: its reply leaves the tenant's tree
                 drafter.end(rid, (), keep=False)

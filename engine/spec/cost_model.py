@@ -4,8 +4,10 @@ A decode step streams every weight once whatever its row count, so on a CPU a fe
 the step; but the rows' arithmetic grows with the batch, and once a step holds enough decode rows to be bound by
 arithmetic rather than by the weight stream, each draft row costs about what a decoded token does and a rejected
 one is pure loss. The model says, for the number of sequences decoding in a step, how many draft tokens each may
-verify: the count that maximises the tokens per millisecond of the step (``DraftCostModel``), none where no count
-gains enough.
+verify: for each draft, the count that maximises the tokens per millisecond of its sequence's share of the step
+(``DraftCostModel.rows``), from the chance that its first tokens pass: the suffix tree's estimate for each token,
+scaled by the acceptance measured against what the requests produced (``Acceptance``). None where no count gains
+enough.
 
 The figures per CPU kind come from ``bench/suffix_decoding.py --cost`` (the step time with k extra rows per
 sequence against the batch size; docs/benchmarks.md). A kind that was not measured gets at most 4 drafts for a lone
@@ -15,7 +17,8 @@ decoding sequence (where a verified row is cheapest next to the weight stream); 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,17 +27,20 @@ from engine.device import cpu_kind
 
 @dataclass(frozen=True, slots=True)
 class DraftCostModel:
-    """Measured step costs, and the draft length that maximises tokens per millisecond for a batch.
+    """Measured step costs, and the draft length that maximises tokens per millisecond for a sequence in a batch.
 
-    With ``b`` sequences decoding and ``k`` drafts each, a step takes ``step_ms(b) + b * k * row_ms`` and yields
-    ``b * (1 + a + a**2 + ... + a**k)`` tokens for a per-token acceptance ``a``. Drafts are verified when the best
-    ``k`` gains at least ``MIN_GAIN`` over ``k = 0``.
+    With ``b`` sequences decoding, a sequence's share of the step is ``step_ms(b) / b``; each draft row it verifies
+    adds ``row_ms``, and verifying at all adds ``verify_ms / b`` (the verify path; NOTE: charged as if all ``b``
+    sequences verify, since it was measured for a lone one). A draft whose first ``i`` tokens all pass with chance
+    ``c_i`` yields ``1 + c_1 + ... + c_k`` tokens when its first ``k`` are verified; ``rows`` picks the ``k`` with
+    the most tokens per millisecond of the sequence's share, none where it gains less than ``MIN_GAIN`` over ``k = 0``.
     """
 
     base_ms: tuple[tuple[int, float], ...]  # (sequences decoding, step ms without drafts), ascending
     row_ms: float  # what one draft row adds to a step (its linear rows and its decode attention)
-    acceptance: float  # the chance that a draft token is accepted (measured on the replay; the prior of ``Live``)
-    max_draft_tokens: int = 16
+    acceptance: float  # the prior of the per-token acceptance against the tree's estimate (``LiveCostModel``)
+    verify_ms: float = 0.0  # what verifying adds to a lone sequence's step beyond its rows
+    max_draft_tokens: int = 24  # the tree's depth, as vLLM's suffix method (num_speculative_tokens = depth)
     max_decoding: int = 1 << 30  # no drafts above this many decoding sequences (for kinds not measured)
 
     def step_ms(self, decoding: int) -> float:
@@ -48,44 +54,102 @@ class DraftCostModel:
         (b0, t0), (b1, t1) = points[-2], points[-1]
         return t1 + (t1 - t0) * (decoding - b1) / (b1 - b0)
 
-    def gain(self, decoding: int, k: int, acceptance: float | None = None) -> float:
-        """Tokens per millisecond with ``k`` drafts each, over those without (at ``acceptance``, else the model's)."""
-        a = self.acceptance if acceptance is None else acceptance
-        accepted = sum(a**i for i in range(1, k + 1))
-        base = self.step_ms(decoding)
-        return (1 + accepted) * base / (base + decoding * k * self.row_ms)
+    def gain(self, decoding: int, chances: Sequence[float]) -> float:
+        """Tokens per millisecond of a sequence verifying a draft whose first ``i`` tokens all pass with chance
+        ``chances[i - 1]``, over the same sequence without drafts."""
+        share = self.step_ms(decoding) / decoding
+        extra = self.verify_ms / decoding + len(chances) * self.row_ms if chances else 0.0
+        return (1 + sum(chances)) * share / (share + extra)
 
-    def limit(self, decoding: int, acceptance: float | None = None) -> int:
-        """The most draft tokens each of ``decoding`` sequences may verify in one step (0: decode one token)."""
+    def rows(self, decoding: int, chances: Sequence[float]) -> int:
+        """How many tokens of a draft (``chances`` as in ``gain``) one of ``decoding`` sequences verifies (0: none)."""
         if decoding <= 0 or decoding > self.max_decoding:
             return 0
-        best = max(range(self.max_draft_tokens + 1), key=lambda k: self.gain(decoding, k, acceptance))
-        return best if self.gain(decoding, best, acceptance) >= MIN_GAIN else 0
+        chances = chances[: self.max_draft_tokens]
+        best = max(range(len(chances) + 1), key=lambda k: self.gain(decoding, chances[:k]))
+        return best if best and self.gain(decoding, chances[:best]) >= MIN_GAIN else 0
+
+    def limit(self, decoding: int) -> int:
+        """The most draft tokens each of ``decoding`` sequences may verify in one step: what a draft sure to pass
+        would verify (0: not even those pay at this batch)."""
+        return self.rows(decoding, [1.0] * self.max_draft_tokens)
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """How often draft tokens pass against what the suffix tree expected: accepted / expected, both decayed sums.
+
+    The tree gives each draft token the chance ``r`` that it follows the ones before it (the share of its node's
+    count in its parent's); a token is expected to pass with chance ``min(1, q * r)``, ``q`` being this rate. It is
+    measured against the tokens the request produced next, whether or not its draft was verified (``score``), so a
+    rate that fell is seen to rise again without spending verify rows on it.
+    """
+
+    prior: float
+    weight: float = 4.0  # how many tried tokens the prior counts for
+    accepted: float = 0.0
+    expected: float = 0.0
+
+    def observe(self, accepted: int, expected: float) -> None:
+        self.accepted = DECAY * self.accepted + accepted
+        self.expected = DECAY * self.expected + expected
+
+    def rate(self, prior: float | None = None) -> float:
+        p = self.prior if prior is None else prior
+        return min(1.0, (self.accepted + self.weight * p) / (self.expected + self.weight))
+
+
+def chances(probs: Sequence[float], rate: float) -> list[float]:
+    """The chance that a draft's first ``i`` tokens all pass, from the tree's estimates ``probs`` (the chance of its
+    path to each token, falling along the draft) and the measured ``rate``."""
+    out, path, prev = [], 1.0, 1.0
+    for p in probs:
+        path *= min(1.0, rate * p / prev) if prev > 0 else 0.0
+        prev = p
+        out.append(path)
+    return out
+
+
+def score(draft: Sequence[int], probs: Sequence[float], produced: Sequence[int]) -> tuple[int, float]:
+    """How a draft fared against the tokens the request produced after it: (tokens that passed, tokens expected to
+    pass at q = 1 over the positions tried). A position is tried when the tokens before it passed and the request
+    produced a token there."""
+    n = min(len(draft), len(produced))
+    passed = 0
+    while passed < n and draft[passed] == produced[passed]:
+        passed += 1
+    tried = min(passed + 1, n)
+    expected, prev = 0.0, 1.0
+    for p in probs[:tried]:
+        expected += p / prev if prev > 0 else 0.0
+        prev = p
+    return passed, expected
 
 
 @dataclass(slots=True)
 class LiveCostModel:
-    """The model at the acceptance measured as the engine runs (an exponential average over verify steps).
-
-    NOTE: the estimate is kept in [0.3, 0.9]: at 0.3 a lone sequence still verifies a draft, so a workload whose
-    drafts start to pass again is seen; at 0.9 a lucky run cannot push large batches into long drafts.
-    """
+    """The model with the engine's measured acceptance (``Acceptance``, over every request's drafts): the prior of
+    each request's own rate."""
 
     model: DraftCostModel
-    acceptance: float = -1.0
+    acceptance: Acceptance = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.acceptance < 0:
-            self.acceptance = self.model.acceptance
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.acceptance = min(0.9, max(0.3, 0.95 * self.acceptance + 0.05 * accepted / drafted))
+        self.acceptance = Acceptance(self.model.acceptance, weight=16.0)
 
     def limit(self, decoding: int) -> int:
-        return self.model.limit(decoding, self.acceptance)
+        return self.model.limit(decoding)
+
+    def rows(self, decoding: int, probs: Sequence[float], own: Acceptance | None = None) -> int:
+        """How many tokens of a draft (the tree's ``probs``) to verify, at the request's rate (``own``, whose prior
+        is the engine's) or the engine's."""
+        rate = self.acceptance.rate()
+        if own is not None:
+            rate = own.rate(rate)
+        return self.model.rows(decoding, chances(probs, rate))
 
 
+DECAY = 0.95  # per scored draft: about the last 20 drafts count
 MIN_GAIN = 1.05  # below a 5 % gain, drafts are not worth the measurement noise and the rejected rows' energy
 F32, BF16 = torch.float32, torch.bfloat16
 # NOTE: a kind that was not measured: drafts for a lone decoding sequence only, at most 4.
@@ -96,13 +160,15 @@ UNMEASURED = DraftCostModel(((1, 8.0), (2, 16.0)), row_ms=1.0, acceptance=0.5, m
 # NOTE: AMX's row cost was measured while each verify row re-read its sequence's K/V (before the verify kernel): an
 # upper bound there now. Zen 4's (also the kind of Zen 5, not measured there) are with the verify kernel, the median
 # over the batches and draft counts of (step - step without drafts) / rows; its attention is ~0.44 ms of the 1.06 at
-# 1k in bf16 (bench/verify_attention.py), the rest the row's linear products.
+# 1k in bf16 (bench/verify_attention.py), the rest the row's linear products. A lone sequence's verify step costs
+# 1.3 ms more than its rows there (the mean over k = 2, 4, 8, 16 of step(k) - step(0) - 1.06 k at B = 1); none is seen
+# in the other tables beyond their noise.
 MEASURED: dict[tuple[str, torch.dtype], DraftCostModel] = {
     ("AMX", BF16): DraftCostModel(
         base_ms=((1, 16.0), (2, 17.2), (4, 20.9), (8, 26.5), (16, 39.8)), row_ms=1.06, acceptance=0.5
     ),
     ("AVX-512 + AVX512-BF16", BF16): DraftCostModel(
-        base_ms=((1, 10.1), (2, 10.9), (4, 11.9), (8, 18.5), (16, 29.2)), row_ms=1.06, acceptance=0.5
+        base_ms=((1, 10.1), (2, 10.9), (4, 11.9), (8, 18.5), (16, 29.2)), row_ms=1.06, verify_ms=1.3, acceptance=0.5
     ),
     ("AVX-512 + AVX512-BF16", F32): DraftCostModel(
         base_ms=((1, 24.3), (2, 21.5), (4, 29.4), (8, 31.3), (16, 55.6)), row_ms=1.99, acceptance=0.5

@@ -2,8 +2,10 @@
 
 Two sources, as in the paper: the request's own tree (its prompt and its reply so far) and its tenant's tree (the
 replies that tenant's requests produced recently, FIFO-bounded at ``max_cached_replies``). The draft is the better
-scored of the two continuations of the sequence's last ``max_tree_depth`` tokens; its length adapts to the match length
-(``max_spec_factor * match + max_spec_offset``) and to the request's measured acceptance (``DraftLength``).
+scored of the two continuations of the sequence's last ``max_tree_depth`` tokens, at most ``max_spec_factor * match +
+max_spec_offset`` tokens long (as the paper and vLLM's ``suffix`` method). How much of it is verified is the cost
+model's choice (``LiveCostModel.rows``): from the tree's estimate that each token follows, scaled by the acceptance
+measured on the request's earlier drafts, and the measured cost of a verify row at the step's batch size.
 
 Isolation: a tenant's tree is its own ``SuffixDecodingCache``, keyed by the request's namespace, so one tenant's text
 is never proposed to another (acceptance speed would be a timing channel between tenants). A session's erasure
@@ -20,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from engine.spec.cost_model import LiveCostModel
+from engine.spec.cost_model import Acceptance, LiveCostModel, score
 
 try:  # NOTE: optional (the `spec` extra): it builds its C++ tree from the sdist. Without it the engine drafts nothing.
     from arctic_inference.suffix_decoding import SuffixDecodingCache  # type: ignore[import-not-found,unused-ignore]
@@ -35,7 +37,7 @@ def available() -> bool:
 
 @dataclass(frozen=True, slots=True)
 class DraftSettings:
-    max_draft_tokens: int = 16  # the most tokens one step verifies for a request (also bounded by the cost model)
+    max_draft_tokens: int = 24  # the longest draft asked of the tree (the cost model verifies a prefix of it)
     max_tree_depth: int = 24  # the longest context matched (and the deepest tree node); the paper's and vLLM's 24
     max_spec_factor: float = 1.0  # draft at most factor * matched length + offset tokens
     max_spec_offset: float = 0.0
@@ -45,32 +47,14 @@ class DraftSettings:
 
 
 @dataclass(slots=True)
-class DraftLength:
-    """A request's draft cap from its measured acceptance: an exponential average of accepted / drafted per step.
-
-    NOTE: the paper adapts to the match length only; on a CPU each verified row costs a little, so a request whose
-    drafts keep failing drafts less (down to 2), and one whose drafts pass drafts up to the cap again.
-    """
-
-    cap: int
-    ratio: float = 1.0
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.ratio = 0.7 * self.ratio + 0.3 * (accepted / drafted)
-
-    def limit(self) -> int:
-        return max(2, round(self.cap * min(1.0, 0.25 + self.ratio)))
-
-
-@dataclass(slots=True)
 class _Active:
     key: int  # the tree's request key (ours, never the caller's id: ids may be reused)
     tenant: Hashable
     session: str | None
     prompt: list[int]
     fed: int = 0  # reply tokens already in the trees
-    length: DraftLength = field(default_factory=lambda: DraftLength(16))
+    acceptance: Acceptance = field(default_factory=lambda: Acceptance(0.5))  # its own, against the engine's
+    last: tuple[list[int], list[float], int] | None = None  # the last draft: tokens, tree probs, reply length then
 
 
 class SuffixDrafter:
@@ -95,7 +79,6 @@ class SuffixDrafter:
         if request_id in self._active:
             raise ValueError(f"request {request_id!r} is already drafting")
         state = _Active(next(self._keys), tenant, session, list(prompt))
-        state.length = DraftLength(self.settings.max_draft_tokens)
         self._tenant(tenant).start_request(state.key, state.prompt)
         self._active[request_id] = state
         self._cached.setdefault((tenant, session), set()).add(state.key)
@@ -103,15 +86,17 @@ class SuffixDrafter:
     def is_active(self, request_id: str) -> bool:
         return request_id in self._active
 
-    def propose(self, request_id: str, output: Sequence[int], max_tokens: int) -> list[int]:
-        """The draft (at most ``max_tokens`` tokens) that follows ``prompt + output``; ``output`` is the request's
-        whole reply so far (what is new since the last call is added to the trees first)."""
+    def propose(self, request_id: str, output: Sequence[int], max_tokens: int, decoding: int = 1) -> list[int]:
+        """The draft (at most ``max_tokens`` tokens) that follows ``prompt + output``, as much of it as pays for one
+        of ``decoding`` sequences in a step (the cost model's choice; all of it without one). ``output`` is the
+        request's whole reply so far (what is new since the last call is added to the trees first)."""
         state = self._active[request_id]
         cache = self._tenant(state.tenant)
         if len(output) > state.fed:
             cache.add_active_response(state.key, list(output[state.fed :]))
             state.fed = len(output)
-        limit = min(max_tokens, state.length.limit())
+        self._score(state, output)
+        limit = min(max_tokens, self.settings.max_draft_tokens)
         if limit <= 0:
             return []
         depth = self.settings.max_tree_depth
@@ -119,13 +104,23 @@ class SuffixDrafter:
         context = state.prompt[len(state.prompt) - (depth - len(tail)) :] + tail if len(tail) < depth else tail
         s = self.settings
         draft = cache.speculate(state.key, context, limit, s.max_spec_factor, s.max_spec_offset, s.min_token_prob)
-        return list(draft.token_ids)[:limit]
+        tokens, probs = list(draft.token_ids)[:limit], list(draft.probs)[:limit]
+        state.last = (tokens, probs, len(output)) if tokens else None
+        if self.cost is None:
+            return tokens
+        return tokens[: self.cost.rows(decoding, probs, state.acceptance)]
 
-    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
-        """Record how a verified draft fared (the request's draft length follows its acceptance)."""
-        state = self._active.get(request_id)
-        if state is not None:
-            state.length.observe(drafted, accepted)
+    def _score(self, state: _Active, output: Sequence[int]) -> None:
+        """How the last draft fared against the tokens produced since (verified or not: NOTE: a draft the cost model
+        did not verify is scored too, so a request whose rate fell is seen to recover without verify rows)."""
+        if state.last is None or len(output) <= state.last[2]:
+            return
+        tokens, probs, at = state.last
+        passed, expected = score(tokens, probs, output[at:])
+        state.acceptance.observe(passed, expected)
+        if self.cost is not None:
+            self.cost.acceptance.observe(passed, expected)
+        state.last = None
 
     def end(self, request_id: str, output: Sequence[int], keep: bool) -> None:
         """The request finished: its own tree goes; its reply stays in its tenant's tree when ``keep`` (a completed

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.spec.cost_model import MEASURED, UNMEASURED, DraftCostModel, LiveCostModel, for_machine
+from engine.spec.cost_model import (
+    MEASURED,
+    UNMEASURED,
+    Acceptance,
+    DraftCostModel,
+    LiveCostModel,
+    chances,
+    for_machine,
+    score,
+)
 
 MODEL = DraftCostModel(base_ms=((1, 16.0), (4, 20.0), (16, 40.0)), row_ms=1.0, acceptance=0.5)
 
@@ -16,27 +25,66 @@ def test_the_step_is_interpolated_between_measured_batches_and_extrapolated_beyo
 
 
 def test_fewer_drafts_pay_as_the_batch_grows_and_none_at_last() -> None:
-    limits = [MODEL.limit(b) for b in (1, 2, 4, 8, 16, 64)]
-    assert limits == sorted(limits, reverse=True)
-    assert limits[0] >= 2
-    assert MODEL.limit(64) == 0
-    assert MODEL.gain(64, 1) < 1.05
+    likely = [0.9**i for i in range(1, 17)]
+    rows = [MODEL.rows(b, likely) for b in (1, 2, 4, 8, 16)]
+    assert rows == sorted(rows, reverse=True)
+    assert rows[0] >= 8 > rows[-1]
+    costly = DraftCostModel(base_ms=((1, 16.0), (16, 40.0)), row_ms=3.0, acceptance=0.5)  # a share of 2.5 ms at 16
+    assert costly.rows(1, likely) > 0
+    assert costly.gain(16, [1.0]) < 1.05
+    assert costly.rows(16, [1.0] * 8) == costly.limit(16) == 0
 
 
-def test_a_higher_acceptance_drafts_more() -> None:
-    assert MODEL.limit(1, acceptance=0.9) > MODEL.limit(1, acceptance=0.5) > MODEL.limit(1, acceptance=0.2)
+def test_a_draft_sure_to_pass_is_verified_whole_where_a_row_costs_less_than_a_token() -> None:
+    assert MODEL.rows(1, [1.0] * 20) == 20
+    assert MODEL.rows(16, [1.0] * 30) == MODEL.limit(16) == MODEL.max_draft_tokens == 24  # a share of 2.5 ms, 1 a row
 
 
-def test_the_live_estimate_follows_the_acceptance_within_its_bounds() -> None:
+def test_the_draft_stops_where_its_tokens_become_unlikely() -> None:
+    assert MODEL.rows(4, [1.0, 1.0, 1.0, 0.1, 0.05]) == 3
+    assert MODEL.rows(1, [0.02]) == 0
+
+
+def test_the_verify_paths_own_cost_raises_the_chance_a_lone_first_token_needs() -> None:
+    plain = DraftCostModel(base_ms=((1, 10.0), (16, 30.0)), row_ms=1.0, acceptance=0.5)
+    with_path = DraftCostModel(base_ms=((1, 10.0), (16, 30.0)), row_ms=1.0, verify_ms=2.0, acceptance=0.5)
+    assert plain.rows(1, [0.2]) == 1  # 1.2 tokens for 11 ms against 1 for 10
+    assert with_path.rows(1, [0.2]) == 0  # 1.2 for 13 ms
+    assert with_path.rows(1, [0.9, 0.8, 0.7]) == 3  # longer likely drafts still pay
+
+
+def test_chances_follow_the_tree_scaled_by_the_measured_rate() -> None:
+    assert chances([1.0, 1.0, 0.5], 1.0) == [1.0, 1.0, 0.5]
+    assert chances([1.0, 1.0, 0.5], 0.5) == [0.5, 0.25, 0.0625]
+    assert chances([0.5, 0.5], 1.0) == [0.5, 0.5]  # the second token surely follows the first
+
+
+def test_a_draft_is_scored_on_the_positions_the_request_produced() -> None:
+    assert score([5, 6, 7], [1.0, 1.0, 0.5], [5, 6, 7, 8]) == (3, 2.5)
+    assert score([5, 6, 7], [1.0, 1.0, 0.5], [5, 9]) == (1, 2.0)  # passed one, failed at the second
+    assert score([5, 6, 7], [1.0, 1.0, 0.5], [4]) == (0, 1.0)  # not verified: the decoded token tries the first
+
+
+def test_the_measured_rate_moves_from_the_prior_to_what_passes() -> None:
+    rate = Acceptance(0.5)
+    assert rate.rate() == 0.5
+    for _ in range(100):
+        rate.observe(0, 1.0)
+    assert rate.rate() < 0.1
+    for _ in range(100):
+        rate.observe(4, 4.0)
+    assert rate.rate() > 0.95
+    assert Acceptance(0.5).rate(prior=0.9) == 0.9
+
+
+def test_the_live_model_verifies_more_of_a_request_whose_drafts_pass() -> None:
     live = LiveCostModel(MODEL)
-    assert live.acceptance == 0.5
-    for _ in range(200):
-        live.observe(8, 0)
-    assert live.acceptance == 0.3
-    for _ in range(200):
-        live.observe(8, 8)
-    assert live.acceptance == 0.9
-    assert live.limit(1) == MODEL.limit(1, 0.9)
+    likely = [1.0] * 8
+    passing, failing = Acceptance(0.5), Acceptance(0.5)
+    for _ in range(40):
+        passing.observe(4, 4.0)
+        failing.observe(0, 1.0)
+    assert live.rows(1, likely, passing) == 8 > live.rows(1, likely) > live.rows(1, likely, failing) == 0
 
 
 def test_kinds_not_measured_draft_for_a_lone_sequence_only() -> None:
@@ -54,4 +102,4 @@ def test_zen4_has_its_own_model_in_both_dtypes(dtype: torch.dtype) -> None:
     zen4 = frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})
     model = for_machine(dtype, flags=zen4)
     assert model is MEASURED[("AVX-512 + AVX512-BF16", dtype)]
-    assert model.limit(1) > 0  # a lone sequence verifies drafts at the prior acceptance
+    assert model.rows(1, [1.0, 1.0]) > 0  # a lone sequence verifies drafts at the prior acceptance

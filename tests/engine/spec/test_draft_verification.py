@@ -39,8 +39,15 @@ def engine_with(model_dir: Path, drafts: bool, dtype: str = "float32", **overrid
     engine = make_engine(model_dir, **(options | overrides))
     engine.load()
     if drafts:
-        engine.core.scheduler.draft_limit = lambda decoding: 8
+        force_drafts(engine)
     return engine
+
+
+def force_drafts(engine: LLMEngine) -> None:
+    """Up to 8 drafts verified at any batch size, whatever the cost model says."""
+    engine.core.scheduler.draft_limit = lambda decoding: 8
+    assert engine.core.drafter is not None
+    engine.core.drafter.cost = None
 
 
 def replay(engine: LLMEngine, seed: int = 0) -> list[list[tuple[int, ...]]]:
@@ -188,7 +195,7 @@ def test_a_request_that_says_nothing_follows_the_engines_switch(tiny_model_dir: 
     prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
     for switch, asked in ((True, False), (False, True)):
         engine = engine_with(tiny_model_dir, switch)
-        engine.core.scheduler.draft_limit = lambda decoding: 8
+        force_drafts(engine)
         collect = Collector()
         params = [SamplingParams(max_tokens=32, drafts=asked), SamplingParams(max_tokens=32)]
         ids = [engine.submit(prompt, p, f"tenant{i}", collect) for i, p in enumerate(params)]

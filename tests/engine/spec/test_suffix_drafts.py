@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.spec import suffix_drafts
-from engine.spec.suffix_drafts import DraftLength, DraftSettings, SuffixDrafter
+from engine.spec.cost_model import DraftCostModel, LiveCostModel
+from engine.spec.suffix_drafts import DraftSettings, SuffixDrafter
 
 pytestmark = pytest.mark.skipif(not suffix_drafts.available(), reason="needs the spec extra (arctic-inference)")
 
@@ -75,15 +76,27 @@ def test_the_oldest_idle_tenant_tree_goes_beyond_the_bound() -> None:
     assert draft_after_cue(drafter, "x3", "t3")
 
 
-def test_the_draft_length_follows_the_acceptance() -> None:
-    length = DraftLength(16)
-    assert length.limit() == 16
-    for _ in range(10):
-        length.observe(8, 0)
-    assert length.limit() == 4
-    for _ in range(10):
-        length.observe(8, 8)
-    assert length.limit() == 16
+def test_the_cost_model_verifies_less_of_a_request_whose_drafts_fail() -> None:
+    """Each draft is scored against the tokens the request produced next, verified or not: the request whose replies
+    leave the tree's text gets shorter drafts, the one that follows it gets them whole."""
+    model = DraftCostModel(base_ms=((1, 16.0), (16, 40.0)), row_ms=1.0, acceptance=0.5)
+    drafter = SuffixDrafter(cost=LiveCostModel(model))
+    loop = [30, 31, 32, 33, 34, 35, 36, 37]
+    drafter.begin("follows", "t", loop * 3)
+    drafter.begin("leaves", "t", loop * 3)
+    first = drafter.propose("follows", [], 8)
+    assert 0 < len(first) < 8  # at the prior rate (0.5) only the first few tokens pay
+    assert drafter.propose("leaves", [], 8) == first
+    follows: list[int] = []
+    leaves: list[int] = []
+    for i in range(40):
+        verified = len(drafter.propose("follows", follows, 8))
+        follows += [loop[(len(follows) + j) % 8] for j in range(verified + 1)]  # its draft passed, and one more
+        leaves.append(30)
+        drafter.propose("leaves", leaves, 8)  # the tree says 31, 32, ...
+        leaves.append(200 + i)  # ... the request goes elsewhere
+    assert drafter.propose("follows", follows, 8) == [loop[(len(follows) + j) % 8] for j in range(8)]
+    assert len(drafter.propose("leaves", [*leaves, 30, 31, 32], 8)) < len(first)
 
 
 def test_a_request_cannot_begin_twice() -> None:
