@@ -164,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--candidates", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES))
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
 
     config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_kv_memory_mb=2048, max_num_seqs=32)
     engine = LLMEngine(config)
@@ -189,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(headers, rows))
     payload = {
         "name": "reply_repetition",
-        "command": "flock /tmp/kvchat-bench.lock " + reproduce_command("bench.reply_repetition", list(argv or [])),
+        "command": "flock /tmp/kvchat-bench.lock " + reproduce_command("bench.reply_repetition", given),
         "machine": machine_info(dtype=info.dtype),
         "model": args.model,
         "turns": len(turns),
