@@ -7,10 +7,14 @@ at a turn drawn with a fixed seed, with the workload's system prompt (a store's 
 excerpt) and the conversation's own earlier turns (the recorded agent replies) as history. Each candidate setting
 answers every turn with the real model (``--max-tokens`` 256, the chat default), all turns in one continuous batch.
 
-Per candidate: the **repetition rate** (the share of replies in which some word 4-gram occurs twice or more), the
-share of replies cut off at ``max_tokens`` (a loop runs until it is cut), the mean reply length in words, and the
-word-overlap F1 with the turn's recorded agent reply (a rough check that a setting does not trade loops for
-nonsense). Sampled candidates are seeded per turn, so a rerun gives the same replies.
+Per candidate: the **repetition rate** (the share of replies in which some word 4-gram occurs twice or more; a
+phrase said twice, "I'm so sorry to hear that. I'm so sorry about ...", counts), the share in which one occurs three
+times or more (a loop that goes on), the share of replies cut off at ``max_tokens`` (a loop runs until it is cut),
+the mean reply length in words, and the word-overlap F1 with the turn's recorded agent reply (a rough check that a
+setting does not trade loops for nonsense). And the **handbook quote rate**: the share of replies that contain some
+word 4-gram of the system prompt (the store's instruction and the handbook excerpt), a rough proxy for grounded
+answers (the CuCom handbook has no phone numbers or URLs to count). Sampled candidates are seeded per turn, so a
+rerun gives the same replies.
 
 Writes ``docs/benchmarks/reply_repetition.json`` (and prints a table).
 """
@@ -48,6 +52,10 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "greedy, repetition 1.1": {"repetition_penalty": 1.1},
     "greedy, repetition 1.2": {"repetition_penalty": 1.2},
     "greedy, frequency 0.5": {"frequency_penalty": 0.5},
+    # the output-only penalties (frequency, presence) leave the prompt's words, and so suffix drafts, unpenalised
+    "greedy, frequency 1.0": {"frequency_penalty": 1.0},
+    "greedy, presence 0.5": {"presence_penalty": 0.5},
+    "greedy, frequency 0.3, presence 0.3": {"frequency_penalty": 0.3, "presence_penalty": 0.3},
     "greedy, repetition 1.1, frequency 0.3": {"repetition_penalty": 1.1, "frequency_penalty": 0.3},
     "greedy, repetition 1.2, frequency 0.3": {"repetition_penalty": 1.2, "frequency_penalty": 0.3},
     "t 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
@@ -65,11 +73,21 @@ def words(text: str) -> list[str]:
     return _WORD.findall(text.lower())
 
 
-def repeats_4gram(text: str) -> bool:
-    """Whether some word 4-gram occurs twice or more in ``text``."""
+def repeats_4gram(text: str, times: int = 2) -> bool:
+    """Whether some word 4-gram occurs ``times`` times or more in ``text``."""
     w = words(text)
     grams = Counter(tuple(w[i : i + 4]) for i in range(len(w) - 3))
-    return any(n > 1 for n in grams.values())
+    return any(n >= times for n in grams.values())
+
+
+def grams4(text: str) -> set[tuple[str, ...]]:
+    w = words(text)
+    return {tuple(w[i : i + 4]) for i in range(len(w) - 3)}
+
+
+def quotes_prompt(reply: str, system: str) -> bool:
+    """Whether ``reply`` contains some word 4-gram of the system prompt (the handbook excerpt)."""
+    return not grams4(reply).isdisjoint(grams4(system))
 
 
 def overlap_f1(reply: str, reference: str) -> float:
@@ -122,9 +140,13 @@ def score(turns: list[DevTurn], results: list[RequestFinished]) -> dict[str, Any
     return {
         "replies": n,
         "repetition_rate": sum(looping) / n,
+        "thrice_rate": sum(repeats_4gram(r.text, 3) for r in results) / n,
         "cut_at_max_tokens_rate": sum(r.finish_reason is FinishReason.LENGTH for r in results) / n,
         "mean_words": statistics.fmean(len(words(r.text)) for r in results),
         "overlap_f1": statistics.fmean(overlap_f1(r.text, t.reference) for t, r in zip(turns, results, strict=True)),
+        "handbook_quote_rate": statistics.fmean(
+            quotes_prompt(r.text, t.messages[0]["content"]) for t, r in zip(turns, results, strict=True)
+        ),
         "looping_examples": [r.text[:300] for r, loop in zip(results, looping, strict=True) if loop][:3],
     }
 
@@ -142,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--candidates", nargs="*", default=list(CANDIDATES), choices=list(CANDIDATES))
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
 
     config = EngineConfig(model=args.model, dtype=args.dtype, device="cpu", max_kv_memory_mb=2048, max_num_seqs=32)
     engine = LLMEngine(config)
@@ -157,15 +180,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: {results[name]['repetition_rate']:.1%} ({results[name]['seconds']:.0f}s)", file=sys.stderr)
     rows = [
         [
-            *(name, f"{r['repetition_rate']:.1%}", f"{r['cut_at_max_tokens_rate']:.1%}"),
-            *(round(r["mean_words"], 1), round(r["overlap_f1"], 3)),
+            *(name, f"{r['repetition_rate']:.1%}", f"{r['thrice_rate']:.1%}", f"{r['cut_at_max_tokens_rate']:.1%}"),
+            *(round(r["mean_words"], 1), round(r["overlap_f1"], 3), f"{r['handbook_quote_rate']:.1%}"),
         ]
         for name, r in results.items()
     ]
-    print(format_table(["settings", "4-gram repeated", "cut at max_tokens", "words", "F1 vs agent"], rows))
+    headers = ["settings", "4-gram repeated", "4-gram 3 times", "cut at max_tokens", "words", "F1 vs agent"]
+    headers.append("quotes handbook")
+    print(format_table(headers, rows))
     payload = {
         "name": "reply_repetition",
-        "command": "flock /tmp/kvchat-bench.lock " + reproduce_command("bench.reply_repetition", list(argv or [])),
+        "command": "flock /tmp/kvchat-bench.lock " + reproduce_command("bench.reply_repetition", given),
         "machine": machine_info(dtype=info.dtype),
         "model": args.model,
         "turns": len(turns),

