@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -85,6 +86,13 @@ def error_response(
     return JSONResponse({"detail": message, "code": code}, status_code=status)
 
 
+@dataclass(frozen=True, slots=True)
+class TooLarge:
+    """A body past its cap. ``ended``: its last byte has been read already, so there is nothing left to drain."""
+
+    ended: bool
+
+
 class BodyGuard:
     """Caps request bodies at ``max_bytes`` (413) and refuses JSON nested deeper than ``MAX_JSON_DEPTH`` (400)."""
 
@@ -98,9 +106,9 @@ class BodyGuard:
             return
         path: str = scope["path"]
         cap = min(self.max_bytes, scope.get(BODY_CAP_KEY) or self.max_bytes)
-        body = await self._read(receive, cap) if not _declared_over(scope, cap) else None
-        if body is None:
-            await self._too_large(path, scope, receive, send, cap)
+        body = TooLarge(ended=False) if _declared_over(scope, cap) else await self._read(receive, cap)
+        if isinstance(body, TooLarge):
+            await self._too_large(path, scope, receive, send, cap, drain=not body.ended)
             return
         if await _too_deep(body):
             response = error_response(path, 400, f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
@@ -108,8 +116,8 @@ class BodyGuard:
             return
         await self.app(scope, _replay(body, receive), send)
 
-    async def _read(self, receive: Receive, cap: int) -> bytes | None:
-        """The whole body, or None as soon as it passes ``cap``."""
+    async def _read(self, receive: Receive, cap: int) -> bytes | TooLarge:
+        """The whole body, or ``TooLarge`` as soon as it passes ``cap`` (saying whether that was its last message)."""
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -119,18 +127,21 @@ class BodyGuard:
             chunk: bytes = message.get("body", b"")
             size += len(chunk)
             if size > cap:
-                return None
+                return TooLarge(ended=not message.get("more_body", False))
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         return b"".join(chunks)
 
-    async def _too_large(self, path: str, scope: Scope, receive: Receive, send: Send, cap: int) -> None:
+    async def _too_large(self, path: str, scope: Scope, receive: Receive, send: Send, cap: int, *, drain: bool) -> None:
         # NOTE: the rest of the body is read and dropped (up to a bound) before answering: a client still sending
         # when the server closes gets a reset instead of the 413. Past the bound the connection is simply closed.
         # A /v1 body over the usable bound (cap < max_bytes) is drained to that bound only: it can never be used,
         # and draining 16x would let each such request make the server read ~27 MB for nothing.
-        await _discard(receive, (1 if cap < self.max_bytes else _DRAIN_FACTOR) * cap)
+        # Not when the message that passed the cap was the body's last (``drain`` False): the server has no more to
+        # give, and one more receive() waits for the client's disconnect while the client waits for this 413.
+        if drain:
+            await _discard(receive, (1 if cap < self.max_bytes else _DRAIN_FACTOR) * cap)
         if cap < self.max_bytes:
             message = f"the request body is larger than {cap} bytes, more than any prompt the model accepts can take"
         else:
