@@ -57,6 +57,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         log_config=None,  # uvicorn's loggers go through ours (backend/core/logs.py): one format, JSON when asked
         ws="websockets-sansio",
+        ws_per_message_deflate=settings.ws_compression,
         # NOTE: bounds what is left after the chat drain: SSE streams still running, sockets closing.
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_seconds)),
     )

@@ -64,6 +64,8 @@ class TurnTiming:
     completed_ms: float
     engine_ttft_ms: float  # usage.ttft_ms
     steps_ms: dict[str, float] | None = None  # usage.steps_ms: the server's marks, from the frame taken
+    prompt_tokens: int = 0  # usage.prompt_tokens: the prompt's length
+    prefilled_tokens: int = 0  # usage.prefilled_tokens: the ones the engine computed (the rest came from its cache)
 
     @property
     def overhead_ms(self) -> float:
@@ -125,7 +127,9 @@ async def _turn(ws: ClientConnection, session: int, turn: int, text: str) -> Tur
                 if ack is None or first is None or usage is None:
                     raise RuntimeError(f"a turn without ack, delta or usage: {frame} (raise --max-tokens?)")
                 steps = usage.get("steps_ms")
-                return TurnTiming(session, turn, ack, first, now, float(usage["ttft_ms"]), steps)
+                ttft = float(usage["ttft_ms"])
+                prompt, prefilled = int(usage.get("prompt_tokens", 0)), int(usage.get("prefilled_tokens", 0))
+                return TurnTiming(session, turn, ack, first, now, ttft, steps, prompt, prefilled)
             elif kind == "session.status" and frame["status"] != "bot_active":
                 return None
             elif kind == "error":
@@ -176,6 +180,9 @@ def summary(turns: Sequence[TurnTiming], wall_s: float) -> dict[str, Any]:
         "steps_ms": step_summary(turns),
         "turns": len(turns),
         "turns_per_s": round(len(turns) / wall_s, 2),
+        # what the engine did per turn: the prompt, and the part of it computed (not from the cache)
+        "prompt_tokens_mean": round(statistics.fmean(t.prompt_tokens for t in turns), 1),
+        "prefilled_tokens_mean": round(statistics.fmean(t.prefilled_tokens for t in turns), 1),
         "overhead_ms": asdict(Percentiles.of([t.overhead_ms for t in turns])),
         "first_delta_ms": asdict(Percentiles.of([t.first_delta_ms for t in turns])),
         "engine_ttft_ms": asdict(Percentiles.of([t.engine_ttft_ms for t in turns])),
@@ -246,7 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             s = stack.enter_context(running_server(config, Path(workdir), database))
             turns, wall_s = asyncio.run(measure(s, conversations, args.think_s, args.seed))
         by_mode[mode], every[mode] = summary(turns, wall_s), turns
-        print(f"engine mode {mode}: {by_mode[mode]['turns_per_s']} turns/s\n{table(by_mode[mode])}")
+        r = by_mode[mode]
+        print(
+            f"engine mode {mode}: {r['turns_per_s']} turns/s, prompt {r['prompt_tokens_mean']} tokens a turn, "
+            f"{r['prefilled_tokens_mean']} computed\n{table(r)}"
+        )
         p99 = by_mode[mode]["overhead_ms"]["p99"]
         verdict = "met" if p99 <= TARGET_P99_MS else "missed"
         print(f"overhead p99 {p99:.1f} ms (target ≤ {TARGET_P99_MS:.0f} ms: {verdict})")

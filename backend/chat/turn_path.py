@@ -82,6 +82,7 @@ from backend.core.errors import SessionClosedError, engine_error_code
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
 from backend.db.models import Message, Tenant
+from backend.db.sqlite_driver import reads_inline
 from backend.domain import HandoffReason, InvalidationReason, MessageRole, MessageStatus, SessionStatus
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import EngineBusy, EngineError, FinishReason, RequestFinished
@@ -148,7 +149,13 @@ class TurnPath:
     # ------------------------------------------------------------------ submit: steps 1-5
 
     async def submit(self, tenant: Tenant, session_id: str, frame: UserMessage, reply_to: Send) -> None:
-        """Steps 1 to 5; returns once the message is stored and its turn queued (the reply streams in a task)."""
+        """Steps 1 to 5; returns once the message is stored and its turn queued (the reply streams in a task). On
+        SQLite the turn's reads (rows by key) run on the loop's thread (``reads_inline``; the turn's task inherits
+        it)."""
+        with reads_inline():
+            await self._submit(tenant, session_id, frame, reply_to)
+
+    async def _submit(self, tenant: Tenant, session_id: str, frame: UserMessage, reply_to: Send) -> None:
         marks = TurnMarks(time.perf_counter())
         await self._answerable.check(tenant.id, _prefix_text(tenant), frame.text, self.budget)  # 1
         stored = await self._store_and_read(tenant.id, session_id, frame)  # 2
@@ -186,18 +193,62 @@ class TurnPath:
                 await self._desk.customer_wrote(tenant.id, message, status)
 
     async def _store_and_read(self, tenant_id: str, session_id: str, frame: UserMessage) -> Stored:
-        """Step 2, one transaction. NOTE: the session is locked first (a write: SQLite's write lock, Postgres's row
-        lock), so the status, the messages and the next seq read are the ones the message is stored under; a closed
-        session leaves by the rollback. A unique-key race (another process stored the same ``client_msg_id``, which
-        the lock leaves to a database without it) is tried once more, and finds the message."""
+        """Step 2, one transaction: the context read, then the session locked and the message stored.
+
+        The reads go first, before the lock (``_read_then_store``): on SQLite the lock is the database's one writer
+        (``backend/db/sqlite_writer.py``), and every trip to the database made while holding it holds every other
+        turn's writes too. The message's seq is the read's last seq + 1; a message stored meanwhile has that seq
+        (``uq_messages_session_seq``), so the insert fails and the step runs again with the reads under the lock
+        (``_lock_then_read``), as does a retried ``client_msg_id`` (rare: a reconnect) and a unique-key race with
+        another process storing the same ``client_msg_id``."""
         try:
             async with self._sm() as db:
-                return await self._store_and_read_in(db, tenant_id, session_id, frame)
+                stored = await self._read_then_store(db, tenant_id, session_id, frame)
+            if stored is not None:
+                return stored
+        except IntegrityError:
+            pass
+        try:
+            async with self._sm() as db:
+                return await self._lock_then_read(db, tenant_id, session_id, frame)
         except IntegrityError:
             async with self._sm() as db:
-                return await self._store_and_read_in(db, tenant_id, session_id, frame)
+                return await self._lock_then_read(db, tenant_id, session_id, frame)
 
-    async def _store_and_read_in(self, db: AsyncSession, tenant_id: str, session_id: str, frame: UserMessage) -> Stored:
+    async def _read_then_store(
+        self, db: AsyncSession, tenant_id: str, session_id: str, frame: UserMessage
+    ) -> Stored | None:
+        """The common case: read, lock, store a new message, commit (three trips hold SQLite's writer). None when
+        the message was stored before (a retry: ``_lock_then_read`` replays it) or the session's topic or pinned
+        context changed after the read."""
+        in_flight = self._turns.in_flight(session_id) is not None  # NOTE: known before the read
+        ctx = await self._context.load(db, tenant_id, session_id)
+        setup = await reply_setup.load(db, tenant_id, self.reply.defaults)
+        handoff = await self._desk.handoff_settings(tenant_id, db)  # (from memory, mostly)
+        if any(_sent_as(m, frame.client_msg_id) for m in ctx.messages):
+            return None
+        session = await store.lock_session(db, tenant_id, session_id)
+        if session.status == SessionStatus.CLOSED.value:
+            raise SessionClosedError("this session is closed; start a new one")
+        before = SessionStatus(session.status)
+        if (session.topic_epoch, session.semantic_temperature, session.pinned_context) != (
+            ctx.epoch,
+            ctx.temperature,
+            ctx.pinned_context,
+        ):
+            await db.rollback()  # the topic or the pinned context moved after the read: read under the lock
+            return None
+        # NOTE: a turn that started between the read and the lock makes this turn read its context again, after it.
+        read_again = in_flight or self._turns.in_flight(session_id) is not None
+        awaiting = _bot_answers(before, frame.text)
+        message = store.new_user_message(db, session_id, ctx.last_seq + 1, frame.client_msg_id, frame.text, awaiting)
+        await db.commit()
+        return Stored(message, False, before, None, ctx.with_message(message), setup, handoff, read_again)
+
+    async def _lock_then_read(self, db: AsyncSession, tenant_id: str, session_id: str, frame: UserMessage) -> Stored:
+        """The reads under the session's lock (a write: SQLite's writer, Postgres's row lock), so the status, the
+        messages and the next seq read are the ones the message is stored under; a closed session leaves by the
+        rollback. A retried ``client_msg_id`` is found among the messages read and its reply replayed."""
         session = await store.lock_session(db, tenant_id, session_id)
         if session.status == SessionStatus.CLOSED.value:
             raise SessionClosedError("this session is closed; start a new one")

@@ -196,6 +196,11 @@ class Settings(BaseSettings):
     ws_max_message_bytes: int = Field(
         default=64 * 1024, ge=1024, description="larger websocket frames close the socket with 1009"
     )
+    ws_compression: bool = Field(
+        default=False,
+        description="websocket permessage-deflate; off, since a reply's deltas are a few bytes each and every "
+        "socket would hold a compressor and a decompressor (CPU per frame, memory per socket)",
+    )
     ws_rate_per_second: float = Field(default=5.0, gt=0, description="per-connection frame rate limit")
     ws_rate_burst: int = Field(default=10, ge=1, description="per-connection frame burst")
     max_connections_per_tenant: int = Field(

@@ -11,19 +11,27 @@ once anyway), closes its cursor without one, and skips the commit or rollback tr
 (``sqlite3`` would do nothing there).
 
 Its write transactions take turns on the database's ``WriteQueue`` (``backend/db/sqlite_writer.py``) instead of
-meeting at SQLite's file lock.
+meeting at SQLite's file lock, and run on the loop's thread without a trip from their first write to their commit:
+the writer is held while SQLite works and for the commit's trip (its sync to disk stays off the loop), not while
+the loop gets round to each next statement (``_inline``).
+Reads outside a write transaction stay on the connection's thread.
 """
 
 from __future__ import annotations
 
 import sqlite3
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import aiosqlite
 
 from backend.db.sqlite_writer import WriteQueue, may_write, queue_for
+
+# NOTE: set by ``reads_inline``: this task's reads are short ones by key (a chat turn's), run on the loop's thread
+READS_INLINE: ContextVar[bool] = ContextVar("kvchat_sqlite_reads_inline", default=False)
 
 _Description = tuple[tuple[Any, ...], ...] | None
 
@@ -78,9 +86,10 @@ class OneTripConnection(aiosqlite.Connection):
     """An aiosqlite connection whose cursors make one trip per statement (``BufferedCursor``), and whose write
     transactions queue in the process (``backend/db/sqlite_writer.py``)."""
 
-    def __init__(self, connector: Any, database: str) -> None:
+    def __init__(self, connector: Any, database: str, busy_s: float) -> None:
         super().__init__(connector, iter_chunk_size=64)
         self._database = database
+        self._busy_ms = round(busy_s * 1000)  # sqlite3's ``timeout``: how long a write waits for another process
         self._writer: WriteQueue | None = None  # the queue whose lock this connection holds, while it writes
 
     def cursor(self) -> BufferedCursor:  # type: ignore[override]
@@ -91,18 +100,33 @@ class OneTripConnection(aiosqlite.Connection):
         return await self._execute(fn, self._conn, *args)
 
     async def statement(self, fn: Any, sql: str, parameters: Any) -> Any:
-        """``run`` for one statement: one that may write waits for the writer lock first (unless held already)."""
+        """``run`` for one statement. One that may write waits for the writer lock first (unless held already); a
+        write transaction's statements then run at once, on the loop's thread (``_first_write``, ``_inline``), as do
+        the reads of a ``reads_inline`` task; everything else, and every commit, on the connection's thread."""
         if self._writer is None and may_write(sql):
             queue = queue_for(self._database)
             if queue is not None:
                 await queue.acquire()
                 self._writer = queue
+                try:
+                    return _first_write(self._conn, self._busy_ms, fn, sql, parameters)
+                except _Busy:
+                    pass  # another process holds the file's write lock: wait for it on the connection's thread
+                finally:
+                    self._release_unless_writing()
+        elif self._inline() or (READS_INLINE.get() and self._connection is not None):
+            try:
+                return fn(self._conn, sql, parameters)
+            finally:
+                self._release_unless_writing()
         try:
             return await self.run(fn, sql, parameters)
         finally:
             self._release_unless_writing()
 
     async def commit(self) -> None:
+        # NOTE: on the connection's thread even in a write transaction: a commit syncs the WAL to disk (ms), which
+        # would stall the loop (measured: 16 % of the loop's time under 100 sockets when run there).
         try:
             if self._open_transaction():
                 await super().commit()
@@ -111,10 +135,25 @@ class OneTripConnection(aiosqlite.Connection):
 
     async def rollback(self) -> None:
         try:
-            if self._open_transaction():
+            if self._inline():
+                self._conn.rollback()
+            elif self._open_transaction():
                 await super().rollback()
         finally:
             self._release_unless_writing()
+
+    def _inline(self) -> bool:
+        """Whether to run the next statement at once, on the loop's thread: while this connection holds the writer
+        in an open transaction, after its first write.
+
+        NOTE: a trip to the connection's thread comes back after the loop's other ready callbacks; on a busy loop
+        that is several ms, and a transaction holding the writer held every other turn's writes for each of its
+        trips (measured under 100 sockets: 5 write transactions a turn, 4-5 trips each, ~5 ms a trip; the writer
+        was busy ~75 % of the time and each write waited ~250 ms for it). Once the first write took SQLite's file
+        lock, the transaction's statements meet no lock (WAL: readers never block the writer) and are short (rows
+        by key), so they run here, in tens of µs each; only the commit makes a trip."""
+        connection = self._connection
+        return self._writer is not None and connection is not None and connection.in_transaction
 
     async def close(self) -> None:
         try:
@@ -136,11 +175,45 @@ class OneTripConnection(aiosqlite.Connection):
         return connection is None or connection.in_transaction
 
 
+@contextmanager
+def reads_inline() -> Iterator[None]:
+    """Within it (and in the tasks started within it), reads run at once on the loop's thread, as write transactions
+    do: for a chat turn's reads, a few rows by key each. Under load a trip to the connection's thread took ~80 ms
+    (the loop's queue, and the GIL shared with the engine's step and the CPU workers), so a turn's 7 reads before
+    its prompt took ~0.5 s and kept a pooled connection all that time; run here they take ~10 ms. Not for a read
+    that may scan a table (an export, the admin's lists): it would stall every socket meanwhile."""
+    token = READS_INLINE.set(True)
+    try:
+        yield
+    finally:
+        READS_INLINE.reset(token)
+
+
 def connect(database: str, **kwargs: Any) -> OneTripConnection:
     """Like ``aiosqlite.connect``: await the result for an open connection (its thread a daemon, as SQLAlchemy's)."""
-    connection = OneTripConnection(lambda: sqlite3.connect(database, **kwargs), database)
+    connection = OneTripConnection(lambda: sqlite3.connect(database, **kwargs), database, kwargs.get("timeout", 5.0))
     connection._thread.daemon = True
     return connection
+
+
+class _Busy(Exception):
+    """The file's write lock is another process's (``_first_write``)."""
+
+
+def _first_write(conn: sqlite3.Connection, busy_ms: int, fn: Any, sql: str, parameters: Any) -> Any:
+    """``fn`` at once, on the calling thread, if SQLite's file lock is free: a transaction's first write takes it.
+    Raises ``_Busy`` when another process holds it (nothing was written; the caller waits on the connection's
+    thread instead). NOTE: the wait is off for this statement alone; a deferred transaction's first write fails with
+    SQLITE_BUSY before it changes anything, and the transaction stays open to try again."""
+    conn.execute("PRAGMA busy_timeout = 0")
+    try:
+        return fn(conn, sql, parameters)
+    except sqlite3.OperationalError as exc:
+        if exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY:
+            raise _Busy from exc
+        raise
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {busy_ms}")
 
 
 def _execute(conn: sqlite3.Connection, sql: str, parameters: Any) -> tuple[list[Any], _Description, int, int | None]:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import func, or_, select, tuple_, update
+from sqlalchemy import func, insert, or_, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from backend.context.blocks import Block, BlockKey, BlockType
@@ -151,24 +151,37 @@ async def save_blocks(
     known, own = known or {}, {b.key for b in blocks}
     missing = {b.parent for b in blocks if b.parent is not None and b.parent not in known and b.parent not in own}
     earlier = {**known, **await _block_ids(db, session_id, missing)}
-    ids: list[int] = []
-    for block in blocks:
-        row = SemanticBlock(
-            session_id=session_id,
-            message_id=message_id,
-            block_index=block.index,
-            block_type=block.type.value,
-            char_start=block.start,
-            char_end=block.end,
-            token_count=block.token_count,
-            content_hash=block.content_hash,
-            topic_epoch=block.epoch,
-            parent_id=earlier.get(block.parent) if block.parent is not None else None,
-        )
-        db.add(row)
-        await db.flush()  # NOTE: the id is needed now: a later block of this message may name this one as parent
-        earlier[block.key] = row.id
-        ids.append(row.id)
+    if not blocks:
+        return []
+    # NOTE: one INSERT ... RETURNING for all of them, then one UPDATE for the parents inside this message (their ids
+    # are known only now): two statements whatever the count, where a flush a block made one each, every one a trip
+    # to the database with SQLite's one writer held (backend/db/sqlite_writer.py).
+    rows = [
+        {
+            "session_id": session_id,
+            "message_id": message_id,
+            "block_index": block.index,
+            "block_type": block.type.value,
+            "char_start": block.start,
+            "char_end": block.end,
+            "token_count": block.token_count,
+            "content_hash": block.content_hash,
+            "topic_epoch": block.epoch,
+            "parent_id": earlier.get(block.parent) if block.parent is not None else None,
+        }
+        for block in blocks
+    ]
+    returned = await db.execute(insert(SemanticBlock).returning(SemanticBlock.block_index, SemanticBlock.id), rows)
+    by_index: dict[int, int] = {index: row_id for index, row_id in returned}
+    ids = [by_index[block.index] for block in blocks]
+    earlier.update({block.key: row_id for block, row_id in zip(blocks, ids, strict=True)})
+    inner = [
+        {"id": row_id, "parent_id": earlier[block.parent]}
+        for block, row_id in zip(blocks, ids, strict=True)
+        if block.parent is not None and block.parent in own
+    ]
+    if inner:
+        await db.execute(update(SemanticBlock), inner)
     return ids
 
 

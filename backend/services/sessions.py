@@ -189,15 +189,43 @@ async def add_assistant_message(
     a restart wrote), that one is returned and nothing is added. ``commit_delay_s`` is a test hook: it holds the
     transaction open before the commit (crash tests widen that window with it).
     """
-    await _lock_session(db, session_id)  # (its update is the session's last activity)
-    existing = await find_reply(db, session_id, reply_to_seq)  # NOTE: under the session lock: no race
+    args = (session_id, reply_to_seq, text, status, usage, commit_delay_s, tool_exchange)
+    try:
+        return await _add_reply(db, *args, reads_first=True)
+    except IntegrityError:
+        await db.rollback()  # a message landed between the reads and the lock: its seq was taken
+    return await _add_reply(db, *args, reads_first=False)
+
+
+async def _add_reply(
+    db: AsyncSession,
+    session_id: str,
+    reply_to_seq: int,
+    text: str,
+    status: MessageStatus,
+    usage: TokenUsage,
+    commit_delay_s: float,
+    tool_exchange: str | None,
+    *,
+    reads_first: bool,
+) -> Message:
+    # NOTE: ``reads_first``: the reads go before the session's lock, which on SQLite is the database's one writer
+    # (backend/db/sqlite_writer.py: every trip made while holding it holds every other turn's writes). A message
+    # stored after the reads takes the seq read here (``uq_messages_session_seq``), so the insert fails and the
+    # caller runs this again with the reads under the lock; a reply stored meanwhile for the same message does too.
+    if not reads_first:
+        await _lock_session(db, session_id)  # (its update is the session's last activity)
+    existing = await find_reply(db, session_id, reply_to_seq)
     if existing is not None:
         db.expunge(existing)  # NOTE: kept readable: a rollback expires what the session holds
         await db.rollback()
         return existing
+    seq = await _next_seq(db, session_id)
+    if reads_first:
+        await _lock_session(db, session_id)
     message = Message(
         session_id=session_id,
-        seq=await _next_seq(db, session_id),
+        seq=seq,
         role=MessageRole.ASSISTANT.value,
         content=text,
         status=status.value,

@@ -125,19 +125,21 @@ async def test_a_turn_reads_its_context_once_and_tokenizes_its_prompt_once(
     assert statements.matching("JOIN tenants") == 1
     assert statements.matching("INSERT INTO invalidation_events") == 1
     assert statements.by_kind() == {
-        # the message's transaction 9: the session locked and read (update … returning); the context (5); the reply
-        # setup (2: the tenant's reply settings, its tools); the message inserted (its seq and a retried
-        # client_msg_id: from the messages the context read). The hand-off settings: from memory (read at turn 1).
-        # bookkeeping, beside the prefill, 4: 2 blocks, the topic row, the session's topic.
-        # reply 5: the session lock (1); its existing reply; the next seq; insert; the message settled.
+        # the message's transaction 9: the context (5) and the reply setup (2: the tenant's reply settings, its
+        # tools), read first; then the session locked and read (update … returning) and the message inserted (its
+        # seq and a retried client_msg_id: from the messages the context read). The hand-off settings: from memory
+        # (read at turn 1).
+        # bookkeeping, beside the prefill, 4: 2 blocks in one insert, the one's parent (the other) set, the topic
+        # row, the session's topic.
+        # reply 5: its existing reply; the next seq; the session lock; insert; the message settled.
         # reply blocks 1: 1 block.
         # (22 statements before issue 43: the client_msg_id lookup and the next seq were their own queries)
         # NOTE: + 1 insert: the tiny model's first reply is noise, which the retrained topic classifier (issue 40)
         # reads as the agent leaving the topic, so the second message opens an epoch and the dropped one's
         # invalidation is recorded (with a real reply it stays on topic: tests/backend/context/).
         "SELECT": 9,
-        "INSERT": 7,
-        "UPDATE": 4,
+        "INSERT": 6,
+        "UPDATE": 5,
     }
     assert statements.commits == 5  # the message; the invalidation; the bookkeeping; the reply; the reply's blocks
     # before the prompt reached the engine: the message's transaction and, as an epoch was dropped, its invalidation

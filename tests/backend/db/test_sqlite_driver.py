@@ -53,8 +53,13 @@ async def test_a_statement_is_one_trip_and_a_read_only_session_ends_without_one(
     assert trips == ["_execute"]  # aiosqlite's cursors: cursor, execute, fetchall, close, then the rollback
 
 
-async def test_writes_report_their_ids_and_counts_and_commit_in_one_trip(engine: AsyncEngine, trips: list[str]) -> None:
+async def test_a_write_transaction_makes_one_trip_its_commit(engine: AsyncEngine, trips: list[str]) -> None:
+    # from its first write to its commit, a transaction runs on the loop's thread (a trip would hold the writer for
+    # a loop iteration); the commit (a sync to disk) and the read after it go to the connection's thread
     maker = create_sessionmaker(engine)
+    async with maker() as db:
+        await db.execute(text("SELECT 1"))  # (the pool's connection is open: no connect trips below)
+    trips.clear()
     async with maker() as db:
         inserted = await db.execute(text("INSERT INTO t (name) VALUES ('a'), ('b')"))
         assert isinstance(inserted, CursorResult)
@@ -62,9 +67,13 @@ async def test_writes_report_their_ids_and_counts_and_commit_in_one_trip(engine:
         assert inserted.lastrowid == 2
         returned = await db.execute(text("UPDATE t SET name = name || '!' RETURNING id, name"))
         assert sorted(returned.all()) == [(1, "a!"), (2, "b!")]
-        trips.clear()
+        counted = await db.execute(text("SELECT count(*) FROM t"))
+        assert counted.scalar() == 2
+        assert trips == []
         await db.commit()
-    assert trips == ["commit"]
+        assert trips == ["commit"]  # (its sync to disk stays off the loop)
+        assert (await db.execute(text("SELECT name FROM t ORDER BY id"))).scalars().all() == ["a!", "b!"]
+    assert trips == ["commit", "_execute"]  # the read after the commit: on the thread again
     async with maker() as db:
         assert (await db.execute(text("SELECT name FROM t ORDER BY id"))).scalars().all() == ["a!", "b!"]
 

@@ -113,3 +113,37 @@ async def test_a_failed_write_gives_the_lock_back(engine: AsyncEngine) -> None:
             await conn.execute(text("INSERT INTO missing VALUES (1)"))
     async with asyncio.timeout(5), engine.begin() as conn:  # (a lock kept would make this wait its timeout)
         await conn.execute(text("INSERT INTO t (writer) VALUES (2)"))
+
+
+async def test_a_write_waits_for_another_process_off_the_loop(tmp_path: Path) -> None:
+    # a write transaction runs on the loop's thread from its first write (backend/db/sqlite_driver.py), except when
+    # another process holds the file's write lock: then its first write waits on the connection's thread, so the
+    # loop goes on meanwhile, and it lands once the other commits
+    path = tmp_path / "other.db"
+    engine = create_db_engine(f"sqlite+aiosqlite:///{path}", sqlite_timeout_s=10.0)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE t (id INTEGER PRIMARY KEY, writer INTEGER NOT NULL, step INTEGER)"))
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        other.execute("INSERT INTO t (writer, step) VALUES (1, 0)")
+
+        async def write() -> None:
+            async with engine.begin() as conn:
+                await conn.execute(text("INSERT INTO t (writer, step) VALUES (2, 0)"))
+                await conn.execute(text("INSERT INTO t (writer, step) VALUES (2, 1)"))
+
+        task = asyncio.create_task(write())
+        ticks = 0
+        for _ in range(20):  # the loop runs while the write waits
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert ticks == 20 and not task.done()
+        other.execute("COMMIT")
+        other.close()
+        await asyncio.wait_for(task, 10)
+        async with engine.connect() as conn:
+            rows = [tuple(r) for r in (await conn.execute(text("SELECT writer, step FROM t ORDER BY id"))).all()]
+        assert rows == [(1, 0), (2, 0), (2, 1)]
+    finally:
+        await engine.dispose()

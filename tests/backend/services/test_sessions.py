@@ -128,3 +128,31 @@ async def test_a_message_never_gets_a_second_reply(maker: async_sessionmaker[Asy
         (1, "user", "hello", "complete", None),
         (2, "assistant", "hi", "complete", 1),
     ]
+
+
+async def test_a_message_stored_between_a_replys_reads_and_its_lock_moves_the_reply_on(
+    maker: async_sessionmaker[AsyncSession], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the reply reads its seq before it takes the session's lock (SQLite's one writer); a customer message that lands
+    # in between takes that seq, so the reply's insert fails and it is stored again with the reads under the lock
+    session_id = await _new_session(maker)
+    async with maker() as db:
+        await store.add_user_message(db, session_id, "m1", "hello", awaiting_reply=True)
+    lock, landed = store._lock_session, []
+
+    async def lock_after_a_message_lands(db: AsyncSession, locked_id: str) -> object:
+        if not landed:
+            landed.append(locked_id)
+            async with maker() as other:
+                await store.add_user_message(other, locked_id, "m2", "are you there?")
+        return await lock(db, locked_id)
+
+    monkeypatch.setattr(store, "_lock_session", lock_after_a_message_lands)
+    async with maker() as db:
+        reply = await store.add_assistant_message(db, session_id, 1, "hi", MessageStatus.COMPLETE, store.TokenUsage())
+    assert (landed, reply.seq) == ([session_id], 3)
+    assert await _rows(maker, session_id) == [
+        (1, "user", "hello", "complete", None),
+        (2, "user", "are you there?", "complete", None),
+        (3, "assistant", "hi", "complete", 1),
+    ]
