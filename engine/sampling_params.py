@@ -71,9 +71,10 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k == 0``, ``top_p == 1``, ``min_p == 0`` disable those filters.
     ``seed`` makes a sampled request reproducible regardless of what else is in the batch.
     ``repetition_penalty`` (1 = off) divides positive logits and multiplies negative ones of every token seen in the
-    prompt or the reply (``repetition_penalty_scope`` ALL), or in the reply only (REPLY); ``presence_penalty`` / ``frequency_penalty`` (0 = off) subtract, per token of the reply so
-    far, a constant / its count. ``logit_bias`` adds a bias to chosen token ids. ``logprobs``: None for none, else
-    the sampled token's log-probability plus the ``logprobs`` most likely ones.
+    prompt or the reply (``repetition_penalty_scope`` ALL), or in the reply only (REPLY); ``presence_penalty`` /
+    ``frequency_penalty`` (0 = off) subtract, per token of the reply so far, a constant / its count. ``logit_bias``
+    adds a bias to chosen token ids. ``logprobs``: None for none, else the sampled token's log-probability plus the
+    ``logprobs`` most likely ones.
     """
 
     max_tokens: int = 256
