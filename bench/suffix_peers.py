@@ -24,8 +24,14 @@ _WARM_UP_TOKENS = 8
 
 
 def peer_sampling(reply: Mapping[str, Any]) -> dict[str, Any]:
-    """kvchat's reply settings as vLLM ``SamplingParams`` fields: stop at EOS (the worker's default ignores it)."""
-    return {"ignore_eos": False, **reply}
+    """kvchat's reply settings as vLLM ``SamplingParams`` fields: stop at EOS (the worker's default ignores it).
+
+    Raises ``ValueError`` for kvchat's ``repetition_penalty_scope`` other than "all": vLLM has no such field, and its
+    repetition penalty always covers the prompt."""
+    scope = reply.get("repetition_penalty_scope", "all")
+    if scope != "all":
+        raise ValueError(f"vLLM cannot scope its repetition penalty to {str(scope)!r}: it always covers the prompt")
+    return {"ignore_eos": False, **{k: v for k, v in reply.items() if k != "repetition_penalty_scope"}}
 
 
 class PeerSet:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RepetitionScope, SamplingParams
 
 
 class TokenHistory:
@@ -83,9 +83,11 @@ def apply_logit_bias(row: torch.Tensor, ids: torch.Tensor, values: torch.Tensor)
 
 def apply_penalties(row: torch.Tensor, history: TokenHistory, params: SamplingParams) -> None:
     """vLLM's penalties, in place: the repetition penalty on every seen id (positive logits divided, negative ones
-    multiplied), then the frequency penalty times each reply id's count, then the presence penalty once per id."""
+    multiplied), or on every reply id with ``RepetitionScope.REPLY``, then the frequency penalty times each reply
+    id's count, then the presence penalty once per id."""
     if params.repetition_penalty != 1.0:
-        ids = history.seen_ids
+        reply_only = params.repetition_penalty_scope is RepetitionScope.REPLY
+        ids = history.output_ids if reply_only else history.seen_ids
         values = row[ids]
         scale = torch.where(values > 0, 1.0 / params.repetition_penalty, params.repetition_penalty)
         row[ids] = values * scale

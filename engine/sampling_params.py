@@ -32,6 +32,15 @@ class GrammarKind(enum.StrEnum):
     LARK = "lark"  # spec: a grammar in llguidance's Lark dialect (may embed ``%json {...}`` schemas)
 
 
+class RepetitionScope(enum.StrEnum):
+    """Which tokens ``SamplingParams.repetition_penalty`` applies to."""
+
+    ALL = "all"  # every token seen, the prompt's and the reply's: vLLM's semantics
+    # NOTE: the reply's own tokens only. A loop is a reply repeating itself; the prompt's words (a handbook, a
+    # customer's order number, earlier replies) stay free to be quoted, and so to be proposed by suffix drafts.
+    REPLY = "reply"
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """A grammar the reply must follow; the sampler masks every token that would leave it."""
@@ -62,9 +71,10 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k == 0``, ``top_p == 1``, ``min_p == 0`` disable those filters.
     ``seed`` makes a sampled request reproducible regardless of what else is in the batch.
     ``repetition_penalty`` (1 = off) divides positive logits and multiplies negative ones of every token seen in the
-    prompt or the reply; ``presence_penalty`` / ``frequency_penalty`` (0 = off) subtract, per token of the reply so
-    far, a constant / its count. ``logit_bias`` adds a bias to chosen token ids. ``logprobs``: None for none, else
-    the sampled token's log-probability plus the ``logprobs`` most likely ones.
+    prompt or the reply (``repetition_penalty_scope`` ALL), or in the reply only (REPLY); ``presence_penalty`` /
+    ``frequency_penalty`` (0 = off) subtract, per token of the reply so far, a constant / its count. ``logit_bias``
+    adds a bias to chosen token ids. ``logprobs``: None for none, else the sampled token's log-probability plus the
+    ``logprobs`` most likely ones.
     """
 
     max_tokens: int = 256
@@ -78,6 +88,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
     repetition_penalty: float = 1.0
+    repetition_penalty_scope: RepetitionScope = RepetitionScope.ALL
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
@@ -161,6 +172,9 @@ class SamplingParams:
         # floor is 0.01 (the two OpenAI penalties are in [-2, 2], as in vLLM).
         if not _finite(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0:
             raise bad(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
+        if not isinstance(self.repetition_penalty_scope, RepetitionScope):
+            scopes = ", ".join(repr(s.value) for s in RepetitionScope)
+            raise bad(f"repetition_penalty_scope must be one of {scopes}, got {self.repetition_penalty_scope!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _finite(value) or not -2.0 <= value <= 2.0:

@@ -10,7 +10,7 @@ from typing import Literal, Self
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from backend.engine_client.values import CacheSettings
+from backend.engine_client.values import CacheSettings, RepetitionScope
 from engine.config import EngineConfig
 
 DEV_SECRET = "dev-insecure-secret-change-me"
@@ -159,7 +159,7 @@ class Settings(BaseSettings):
         default=0.0,
         ge=0.0,
         le=2.0,
-        description="chat replies' temperature (0: greedy); a tenant's reply settings replace this and the five below",
+        description="chat replies' temperature (0: greedy); a tenant's reply settings replace this and the six below",
     )
     reply_top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="chat replies' top-p (1: off)")
     reply_top_k: int = Field(default=0, ge=0, description="chat replies' top-k (0: off)")
@@ -169,6 +169,11 @@ class Settings(BaseSettings):
         ge=0.01,
         le=2.0,
         description="against replies that loop; 1.2 from the measurement in [benchmarks](benchmarks.md)",
+    )
+    reply_repetition_penalty_scope: RepetitionScope = Field(
+        default=RepetitionScope.ALL,
+        description="the tokens the repetition penalty covers: `all` (the prompt's too, vLLM's way) or `reply` (the "
+        "reply's own, leaving the prompt's wording free to quote and to draft; [benchmarks](benchmarks.md))",
     )
     reply_presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="chat replies' presence penalty")
     reply_frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="chat replies' frequency penalty")

@@ -267,6 +267,7 @@ class TenantReplySettings(Base):
     top_k: Mapped[int] = mapped_column(Integer)
     min_p: Mapped[float] = mapped_column(Float)
     repetition_penalty: Mapped[float] = mapped_column(Float)
+    repetition_penalty_scope: Mapped[str] = mapped_column(String(8), default="all")  # all | reply
     presence_penalty: Mapped[float] = mapped_column(Float)
     frequency_penalty: Mapped[float] = mapped_column(Float)
     stop: Mapped[str] = mapped_column(Text, default="[]")  # a JSON list of stop strings

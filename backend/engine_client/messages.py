@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.engine_client.values import EngineInfo, FairShare, SamplingParams, TokenSpan
+from backend.engine_client.values import EngineInfo, FairShare, RepetitionScope, SamplingParams, TokenSpan
 
 
 class KvchatExtra(BaseModel):
@@ -54,6 +54,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     repetition_penalty: float | None = None
+    repetition_penalty_scope: RepetitionScope | None = None  # kvchat's: "reply" spares the prompt's tokens
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # vLLM's: the namespace

@@ -29,7 +29,7 @@ from engine.kv.tiers import TierStats
 from engine.outputs import FinishReason, GenerationEvent, RequestFinished, RequestStats, TokenDelta, TokenLogprob
 from engine.prompt import Segment, SegmentedMessage, SegmentedPrompt, TokenizedPrompt, common_prefix
 from engine.prompt_encoder import Prompt
-from engine.sampling_params import MAX_LOGPROBS, GrammarKind, SamplingParams, StructuredOutput
+from engine.sampling_params import MAX_LOGPROBS, GrammarKind, RepetitionScope, SamplingParams, StructuredOutput
 
 __all__ = [
     "DEFAULT_SHARE",
@@ -54,6 +54,7 @@ __all__ = [
     "PinResult",
     "Prompt",
     "PromptTooLongError",
+    "RepetitionScope",
     "RequestFinished",
     "RequestStats",
     "SamplingParams",

@@ -113,6 +113,7 @@ def sampling_of(body: _Sampling) -> SamplingParams:
         "min_p": body.min_p,
         "seed": body.seed,
         "repetition_penalty": body.repetition_penalty,
+        "repetition_penalty_scope": body.repetition_penalty_scope,
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
     }

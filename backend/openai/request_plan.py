@@ -19,6 +19,7 @@ from backend.engine_client.values import (
     GrammarKind,
     InvalidSamplingParamsError,
     PromptTooLongError,
+    RepetitionScope,
     SamplingParams,
     StructuredOutput,
 )
@@ -121,6 +122,7 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         stop=stop,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty_scope=RepetitionScope(req.repetition_penalty_scope or RepetitionScope.ALL),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=logit_bias(req.logit_bias or {}, None),

@@ -162,6 +162,9 @@ class ChatCompletionRequest(BaseModel):
     # are identical, sampled ones keep the model's distribution), only its speed. Left out: the tenant's setting
     # (``PUT /admin/tenant/drafts``), whose default is the engine's switch (``KVCHAT_ENGINE_DRAFTS``).
     drafts: bool | None = None
+    # kvchat's extension: "reply" applies ``repetition_penalty`` to the reply's own tokens only (the prompt's wording
+    # stays free to quote); left out: "all", vLLM's semantics (every token seen, the prompt's included).
+    repetition_penalty_scope: Literal["all", "reply"] | None = None
 
 
 class PromptTokensDetails(BaseModel):

@@ -17,7 +17,12 @@ from backend.core.config import Settings
 from backend.core.errors import InvalidReplySettingsError
 from backend.db.models import Tenant, TenantReplySettings
 from backend.domain import DraftsSetting
-from backend.engine_client.values import InvalidSamplingParamsError, SamplingParams, StructuredOutput
+from backend.engine_client.values import (
+    InvalidSamplingParamsError,
+    RepetitionScope,
+    SamplingParams,
+    StructuredOutput,
+)
 
 
 class ToolUse(enum.StrEnum):
@@ -35,6 +40,7 @@ class ReplySettings:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    repetition_penalty_scope: RepetitionScope = RepetitionScope.ALL
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stop: tuple[str, ...] = ()
@@ -52,6 +58,7 @@ class ReplySettings:
             top_k=self.top_k,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            repetition_penalty_scope=self.repetition_penalty_scope,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             stop=self.stop,
@@ -76,6 +83,7 @@ def defaults_of(settings: Settings) -> ReplySettings:
         top_k=settings.reply_top_k,
         min_p=settings.reply_min_p,
         repetition_penalty=settings.reply_repetition_penalty,
+        repetition_penalty_scope=settings.reply_repetition_penalty_scope,
         presence_penalty=settings.reply_presence_penalty,
         frequency_penalty=settings.reply_frequency_penalty,
     )
@@ -105,6 +113,7 @@ async def load(db: AsyncSession, tenant_id: str, defaults: ReplySettings) -> Rep
         top_k=row.top_k,
         min_p=row.min_p,
         repetition_penalty=row.repetition_penalty,
+        repetition_penalty_scope=RepetitionScope(row.repetition_penalty_scope),
         presence_penalty=row.presence_penalty,
         frequency_penalty=row.frequency_penalty,
         stop=tuple(json.loads(row.stop)),
@@ -119,6 +128,7 @@ async def save(db: AsyncSession, tenant_id: str, settings: ReplySettings) -> Rep
     values = dataclasses.asdict(settings)
     values["stop"] = json.dumps(list(settings.stop))
     values["tool_choice"] = values.pop("tool_use").value
+    values["repetition_penalty_scope"] = settings.repetition_penalty_scope.value
     del values["drafts"]  # (the tenant's, stored on its row: ``tenants.set_drafts``)
     row = await db.get(TenantReplySettings, tenant_id)
     if row is None:

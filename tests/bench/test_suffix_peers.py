@@ -30,6 +30,15 @@ def test_a_peer_stops_at_eos_with_the_replays_reply_settings() -> None:
     assert peer_sampling(suffix_decoding.REPLY_SETTINGS["greedy"]) == {"ignore_eos": False, "temperature": 0.0}
 
 
+def test_a_repetition_penalty_on_the_reply_only_is_refused_for_vllm_peers() -> None:
+    with pytest.raises(ValueError, match=r"^vLLM cannot scope its repetition penalty to 'reply': it always covers"):
+        peer_sampling(suffix_decoding.REPLY_SETTINGS["repetition-1.2-reply"])
+    assert peer_sampling({"repetition_penalty": 1.2, "repetition_penalty_scope": "all"}) == {
+        "ignore_eos": False,
+        "repetition_penalty": 1.2,
+    }
+
+
 def test_a_peer_that_is_not_installed_is_reported_with_its_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,16 +13,18 @@ from engine.logits_processors import (
     mask_ids,
     min_p,
 )
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RepetitionScope, SamplingParams
 
 VOCAB = 50
 
 
 def dense_reference(row: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
-    """vLLM's ``apply_penalties`` over the whole vocabulary (vllm/model_executor/layers/utils.py)."""
+    """vLLM's ``apply_penalties`` over the whole vocabulary (vllm/model_executor/layers/utils.py); with
+    ``RepetitionScope.REPLY`` its prompt mask is left empty (the repetition penalty on the reply's tokens only)."""
     logits = row.clone()
     prompt_mask = torch.zeros(VOCAB, dtype=torch.bool)
-    prompt_mask[prompt] = True
+    if p.repetition_penalty_scope is RepetitionScope.ALL:
+        prompt_mask[prompt] = True
     counts = torch.zeros(VOCAB)
     for t in output:
         counts[t] += 1
@@ -34,16 +36,23 @@ def dense_reference(row: torch.Tensor, prompt: list[int], output: list[int], p: 
     return logits
 
 
+@pytest.mark.parametrize("scope", list(RepetitionScope))
 @pytest.mark.parametrize(
     ("repetition", "frequency", "presence"),
     [(1.3, 0.0, 0.0), (1.0, 0.7, 0.0), (1.0, 0.0, 1.5), (1.2, 0.5, 0.4), (0.8, -0.6, -1.0)],
 )
-def test_penalties_equal_vllms_dense_formula_exactly(repetition: float, frequency: float, presence: float) -> None:
+def test_penalties_equal_vllms_dense_formula_exactly(
+    repetition: float, frequency: float, presence: float, scope: RepetitionScope
+) -> None:
     gen = torch.Generator().manual_seed(3)
     prompt = [3, 3, 9, 17, 42, 9]
     output = [5, 9, 5, 5, 44, 3]
     params = SamplingParams(
-        max_tokens=8, repetition_penalty=repetition, frequency_penalty=frequency, presence_penalty=presence
+        max_tokens=8,
+        repetition_penalty=repetition,
+        repetition_penalty_scope=scope,
+        frequency_penalty=frequency,
+        presence_penalty=presence,
     )
     history = TokenHistory(prompt, params.max_tokens)
     for t in output:
@@ -52,6 +61,22 @@ def test_penalties_equal_vllms_dense_formula_exactly(repetition: float, frequenc
     got = row.clone()
     apply_penalties(got, history, params)
     assert torch.equal(got, dense_reference(row, prompt, output, params))
+
+
+def test_a_reply_scoped_repetition_penalty_leaves_prompt_only_tokens_alone() -> None:
+    """Prompt ids 3 and 9, reply ids 9 and 5: with the reply scope only 9 and 5 are penalised (9 once, though seen in
+    both), and the prompt's 3 keeps its logit; with the default scope all three are."""
+    history = TokenHistory([3, 9, 3], max_tokens=4)
+    for t in (9, 5, 9):
+        history.record(t)
+    row = torch.zeros(VOCAB)
+    row[3], row[5], row[9], row[11] = 2.0, -1.0, 4.0, 3.0
+    reply, every = row.clone(), row.clone()
+    scoped = SamplingParams(repetition_penalty=2.0, repetition_penalty_scope=RepetitionScope.REPLY)
+    apply_penalties(reply, history, scoped)
+    apply_penalties(every, history, SamplingParams(repetition_penalty=2.0))
+    assert [reply[t].item() for t in (3, 5, 9, 11)] == [2.0, -2.0, 2.0, 3.0]
+    assert [every[t].item() for t in (3, 5, 9, 11)] == [1.0, -2.0, 2.0, 3.0]
 
 
 def test_history_keeps_distinct_seen_ids_and_reply_counts() -> None:

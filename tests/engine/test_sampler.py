@@ -7,7 +7,7 @@ import torch
 
 from engine.errors import InvalidSamplingParamsError
 from engine.sampler import RowError, Sampler, SamplerState
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RepetitionScope, SamplingParams
 
 VOCAB = 64
 EOS = 7
@@ -174,7 +174,7 @@ def test_invalid_params_are_rejected(params: dict[str, object]) -> None:
 @pytest.mark.parametrize("field", ["max_tokens", "top_k", "seed", "min_tokens"])
 def test_bools_are_not_integers_for_sampling_params(field: str) -> None:
     with pytest.raises(InvalidSamplingParamsError, match=f"{field} must be an integer"):
-        SamplingParams(**{field: True})
+        SamplingParams(**{field: True})  # type: ignore[arg-type]
 
 
 def test_seed_must_fit_a_64_bit_generator() -> None:
@@ -328,6 +328,16 @@ def test_a_repetition_penalty_turns_greedy_away_from_a_prompt_token() -> None:
     assert sampler.sample(torch.cat([logits, logits]), [plain, penalised]) == [5, 6]
 
 
+def test_a_repetition_penalty_on_the_reply_only_leaves_prompt_tokens_free_until_the_reply_uses_them() -> None:
+    sampler = Sampler(vocab_size=VOCAB)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5], logits[0, 6] = 3.0, 2.0
+    params = SamplingParams(repetition_penalty=2.0, repetition_penalty_scope=RepetitionScope.REPLY)
+    s = sampler.new_state(params, eos_token_ids=(EOS,), prompt_token_ids=[5])
+    # 5 (in the prompt) wins once; then the reply has said it: 3.0 / 2 < 2.0, and 6 wins until it is said too
+    assert [sampler.sample(logits, [s])[0] for _ in range(3)] == [5, 6, 5]
+
+
 def test_a_frequency_penalty_grows_with_each_repeat() -> None:
     sampler = Sampler(vocab_size=VOCAB)
     logits = torch.zeros(1, VOCAB)
@@ -372,8 +382,9 @@ def test_structured_output_needs_a_grammar_compiler(sampler: Sampler) -> None:
         state(sampler, structured=StructuredOutput(GrammarKind.JSON_OBJECT))
 
 
-PROCESSED = [
+PROCESSED: list[dict[str, object]] = [
     {"repetition_penalty": 1.4},
+    {"repetition_penalty": 1.4, "repetition_penalty_scope": RepetitionScope.REPLY},
     {"frequency_penalty": 0.8, "presence_penalty": 0.5, "temperature": 0.9, "seed": 4},
     {"logit_bias": ((2, 5.0), (8, -5.0)), "min_p": 0.05, "temperature": 1.2, "seed": 6},
     {"logprobs": 2, "min_tokens": 3},

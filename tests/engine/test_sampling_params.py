@@ -5,12 +5,16 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import InvalidSamplingParamsError
-from engine.sampling_params import GrammarKind, SamplingParams, StructuredOutput
+from engine.sampling_params import GrammarKind, RepetitionScope, SamplingParams, StructuredOutput
 
 REFUSED = [
     ({"repetition_penalty": 0.0}, r"^repetition_penalty must be in \[0\.01, 100\], got 0\.0$"),
     ({"repetition_penalty": 5e-324}, r"^repetition_penalty must be in \[0\.01, 100\], got 5e-324$"),  # (overflows)
     ({"repetition_penalty": float("nan")}, r"^repetition_penalty must be in \[0\.01, 100\], got nan$"),
+    (
+        {"repetition_penalty_scope": "prompt"},
+        r"^repetition_penalty_scope must be one of 'all', 'reply', got 'prompt'$",
+    ),
     ({"presence_penalty": 2.5}, r"^presence_penalty must be in \[-2, 2\], got 2\.5$"),
     ({"frequency_penalty": -2.01}, r"^frequency_penalty must be in \[-2, 2\], got -2\.01$"),
     ({"min_p": 1.5}, r"^min_p must be in \[0, 1\], got 1\.5$"),
@@ -51,3 +55,10 @@ def test_choices_seed_choice_i_with_seed_plus_i() -> None:
     assert unseeded.choices(2) == [unseeded, unseeded]
     with pytest.raises(InvalidSamplingParamsError, match=r"^n must be an integer >= 1, got 0$"):
         params.choices(0)
+
+
+def test_the_repetition_penalty_covers_the_prompt_unless_scoped_to_the_reply() -> None:
+    assert SamplingParams().repetition_penalty_scope is RepetitionScope.ALL
+    scoped = SamplingParams(repetition_penalty=1.2, repetition_penalty_scope=RepetitionScope.REPLY)
+    assert scoped.has_penalties
+    assert not SamplingParams(repetition_penalty_scope=RepetitionScope.REPLY).has_penalties  # (1.0 is off either way)

@@ -80,6 +80,7 @@ def test_every_setting_changed_on_the_page_is_kept_and_audited(
         page.fill(f"#{field}", value)
     page.fill("#stop", "END")
     page.select_option("#tool_use", "none")
+    page.select_option("#repetition_penalty_scope", "reply")
     _save(page, "#save-reply", "#r-reply")
     page.select_option("#history_policy", "full")
     page.fill("#min_block_length", "3")
@@ -137,6 +138,7 @@ def test_every_setting_changed_on_the_page_is_kept_and_audited(
         "END",
     ]
     assert page.input_value("#tool_use") == "none"
+    assert page.input_value("#repetition_penalty_scope") == "reply"
     assert [page.input_value(f"#{f}") for f in ("history_policy", "min_block_length", "shift_threshold")] == [
         "full",
         "3",

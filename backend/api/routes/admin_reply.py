@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from backend.api.deps import AdminDep, DbDep, SettingsDep, audited
 from backend.api.partial import merged, partial_model
 from backend.core.limits import SafeText
+from backend.engine_client.values import RepetitionScope
 from backend.services import reply_settings
 from backend.services.reply_settings import ReplySettings, ToolUse
 
@@ -27,6 +28,10 @@ class ReplySettingsIn(BaseModel):
     top_k: int = Field(default=0, ge=0, le=1_000_000, description="0 = off")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="0 = off")
     repetition_penalty: float = Field(default=1.0, ge=0.01, le=2.0, description="1 = off; > 1 discourages repeats")
+    repetition_penalty_scope: RepetitionScope = Field(
+        default=RepetitionScope.ALL,
+        description="the tokens the repetition penalty covers: all (the prompt's too, vLLM's way) or the reply's own",
+    )
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     stop: list[StopString] = Field(default_factory=list, max_length=16, description="the reply ends before any")
@@ -39,6 +44,7 @@ class ReplySettingsIn(BaseModel):
             top_k=self.top_k,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            repetition_penalty_scope=self.repetition_penalty_scope,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             stop=tuple(self.stop),
@@ -57,6 +63,7 @@ class ReplySettingsOut(ReplySettingsIn):
             top_k=s.top_k,
             min_p=s.min_p,
             repetition_penalty=s.repetition_penalty,
+            repetition_penalty_scope=s.repetition_penalty_scope,
             presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty,
             stop=list(s.stop),

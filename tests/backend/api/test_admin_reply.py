@@ -19,6 +19,7 @@ OWN = {
     "top_k": 40,
     "min_p": 0.05,
     "repetition_penalty": 1.15,
+    "repetition_penalty_scope": "reply",
     "presence_penalty": 0.3,
     "frequency_penalty": 0.2,
     "stop": ["\nCustomer:"],
@@ -34,6 +35,7 @@ async def test_defaults_then_own_settings_then_reset(live: LiveServer) -> None:
         "top_k": s.reply_top_k,
         "min_p": s.reply_min_p,
         "repetition_penalty": s.reply_repetition_penalty,
+        "repetition_penalty_scope": s.reply_repetition_penalty_scope,
         "presence_penalty": s.reply_presence_penalty,
         "frequency_penalty": s.reply_frequency_penalty,
         "stop": [],
@@ -60,6 +62,7 @@ async def test_defaults_then_own_settings_then_reset(live: LiveServer) -> None:
     [
         ({"temperature": 2.5}, "temperature"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty_scope": "prompt"}, "repetition_penalty_scope"),
         ({"presence_penalty": -2.5}, "presence_penalty"),
         ({"stop": [""]}, "stop.0"),
         ({"stop": ["x"] * 17}, "stop"),

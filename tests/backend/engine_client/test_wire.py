@@ -23,7 +23,7 @@ from backend.engine_client.values import (
 from backend.engine_client.wire import WireError, decode, encode, error_body, error_from_body
 from engine.errors import RequestFailed
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import GrammarKind
+from engine.sampling_params import GrammarKind, RepetitionScope
 
 
 def _through_json(value: object) -> object:
@@ -34,8 +34,11 @@ def test_sampling_params_round_trip_exactly() -> None:
     params = SamplingParams(
         max_tokens=7, temperature=0.7, top_k=5, seed=3, stop=("END",), stop_token_ids=(2,),
         logit_bias=((4, -1.5),), logprobs=2, structured=StructuredOutput(GrammarKind.JSON_OBJECT),
+        repetition_penalty=1.2, repetition_penalty_scope=RepetitionScope.REPLY,
     )  # fmt: skip
-    assert decode(SamplingParams, _through_json(params)) == params
+    read = decode(SamplingParams, _through_json(params))
+    assert read == params
+    assert read.repetition_penalty_scope is RepetitionScope.REPLY
 
 
 @pytest.mark.parametrize("drafts", [None, False, True])
@@ -51,6 +54,8 @@ def test_bad_sampling_is_the_engines_error() -> None:
         decode(SamplingParams, {"temperature": -1.0})
     with pytest.raises(WireError, match="structured"):
         decode(SamplingParams, {"structured": {"kind": "nope"}})
+    with pytest.raises(WireError, match="repetition_penalty_scope"):
+        decode(SamplingParams, {"repetition_penalty_scope": "prompt"})
 
 
 def test_a_completion_request_round_trips_with_its_extras() -> None:

@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestFinished
-from engine.sampling_params import GrammarKind, SamplingParams, StructuredOutput
+from engine.sampling_params import GrammarKind, RepetitionScope, SamplingParams, StructuredOutput
 from support.server import CHAT_TOKEN, LiveServer, server_settings, serving
 
 pytestmark = pytest.mark.anyio
@@ -90,11 +90,15 @@ def finish_reasons(chunks: list[ChatCompletionChunk]) -> dict[int, str]:
             {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.6},
         ),
         (
+            {"extra_body": {"repetition_penalty": 1.6, "repetition_penalty_scope": "reply"}},
+            {"repetition_penalty": 1.6, "repetition_penalty_scope": RepetitionScope.REPLY},
+        ),
+        (
             {"temperature": 1.0, "seed": 3, "extra_body": {"min_p": 0.2, "top_k": 5}},
             {"temperature": 1.0, "seed": 3, "min_p": 0.2, "top_k": 5},
         ),
     ],
-    ids=["penalties", "min_p-top_k"],
+    ids=["penalties", "repetition-reply", "min_p-top_k"],
 )
 async def test_sampling_parameters_give_the_engines_reply_streamed_and_not(
     client: AsyncOpenAI, tiny_engine: LLMEngine, api: dict[str, Any], engine_params: dict[str, Any]
@@ -233,6 +237,7 @@ async def test_a_schema_the_grammar_library_refuses_is_a_400_naming_response_for
         ({"logit_bias": {"5": 101}}, "invalid_request", "logit_bias"),
         ({"presence_penalty": 2.5}, "invalid_request", "presence_penalty"),
         ({"repetition_penalty": 0}, "invalid_request", "repetition_penalty"),
+        ({"repetition_penalty_scope": "prompt"}, "invalid_request", "repetition_penalty_scope"),
         ({"min_p": 1.5}, "invalid_request", "min_p"),
         ({"response_format": {"type": "xml"}}, "unsupported_parameter", "response_format.type"),
         ({"response_format": {"type": "json_schema"}}, "invalid_request", "response_format.json_schema"),

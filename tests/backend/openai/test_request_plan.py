@@ -12,7 +12,7 @@ from backend.openai.errors import OpenAIError
 from backend.openai.request_plan import plan, sampling_params
 from backend.tools.types import ChatTurn, ToolCall, ToolChoiceMode, ToolFamily
 from engine.errors import PromptTooLongError
-from engine.sampling_params import GrammarKind, StructuredOutput
+from engine.sampling_params import GrammarKind, RepetitionScope, StructuredOutput
 
 LIMIT = 1024  # the engine's prompt_limit (its KV pool, smaller than its context here)
 VOCAB = 100
@@ -41,6 +41,7 @@ def test_defaults_follow_openai_and_fill_the_context() -> None:
     p = sampling_params(req, plan(req, ToolFamily.HERMES, VOCAB), prompt_tokens=24, limit=LIMIT)
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.stop) == (1.0, 1.0, 0, 0.0, None, ())
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.logit_bias) == (1.0, 0.0, 0.0, ())
+    assert p.repetition_penalty_scope is RepetitionScope.ALL
     assert (p.logprobs, p.structured) == (None, None)
     assert p.max_tokens == 1024 - 24  # the KV pool is smaller than the context here
 
@@ -58,6 +59,7 @@ def test_every_sampling_parameter_reaches_the_engine() -> None:
         presence_penalty=0.5,
         frequency_penalty=-0.5,
         repetition_penalty=1.2,
+        repetition_penalty_scope="reply",
         logit_bias={"7": 5, "3": -100},
         logprobs=True,
         top_logprobs=4,
@@ -66,6 +68,7 @@ def test_every_sampling_parameter_reaches_the_engine() -> None:
     p = sampling_params(req, plan(req, ToolFamily.HERMES, VOCAB), prompt_tokens=4, limit=LIMIT)
     assert (p.max_tokens, p.top_k, p.min_tokens, p.ignore_eos, p.stop, p.seed) == (7, 0, 3, True, ("END",), 9)
     assert p.drafts is False
+    assert p.repetition_penalty_scope is RepetitionScope.REPLY
     assert (p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.1, 0.5, -0.5, 1.2)
     assert p.logit_bias == ((7, 5.0), (3, -100.0))
     assert p.logprobs == 4

@@ -15,7 +15,7 @@ from engine.device import cpu_supports_bf16
 from engine.llm_engine import LLMEngine
 from engine.model_runner import BatchItem, ModelRunner
 from engine.request_table import Collector
-from engine.sampling_params import GrammarKind, SamplingParams, StructuredOutput
+from engine.sampling_params import GrammarKind, RepetitionScope, SamplingParams, StructuredOutput
 from engine.spec import suffix_drafts
 from support.engines import make_engine, one_intra_op_thread
 
@@ -147,13 +147,14 @@ def test_a_tenant_gets_no_drafts_from_another_tenants_replies(tiny_model_dir: Pa
     "fields",
     [
         {"repetition_penalty": 1.2},
+        {"repetition_penalty": 1.2, "repetition_penalty_scope": RepetitionScope.REPLY},
         {"frequency_penalty": 0.5, "presence_penalty": 0.3},
         {"logit_bias": ((40, 2.0), (41, -3.0))},
         {"logprobs": 2},
         {"min_tokens": 20, "ignore_eos": False},
         {"structured": StructuredOutput(GrammarKind.JSON_OBJECT)},
     ],
-    ids=["repetition", "frequency+presence", "logit_bias", "logprobs", "min_tokens", "grammar"],
+    ids=["repetition", "repetition-reply", "frequency+presence", "logit_bias", "logprobs", "min_tokens", "grammar"],
 )
 def test_rows_that_need_processing_verify_drafts_exactly(tiny_model_dir: Path, fields: dict[str, Any]) -> None:
     """Each verified row is processed with the state advanced by the drafts before it: the same tokens (and
