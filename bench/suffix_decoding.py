@@ -59,7 +59,13 @@ REPLY = "chat"
 # anti-loop setting that penalises the reply's own tokens only, not the prompt's that drafts propose), or the chat's
 # repetition penalty 1.2 scoped to the reply's own tokens (``RepetitionScope.REPLY``)
 REPLY_SETTINGS: dict[str, dict[str, Any]] = {
-    "chat": {"temperature": 0.0, "repetition_penalty": 1.2},
+    # the chat's defaults (KVCHAT_REPLY_*, backend/core/config.py)
+    "chat": {"temperature": 0.0, "repetition_penalty": 1.2, "repetition_penalty_scope": RepetitionScope.REPLY},
+    "repetition-1.2-all": {
+        "temperature": 0.0,
+        "repetition_penalty": 1.2,
+        "repetition_penalty_scope": RepetitionScope.ALL,
+    },
     "greedy": {"temperature": 0.0},
     "frequency-1.0": {"temperature": 0.0, "frequency_penalty": 1.0},
     "repetition-1.2-reply": {

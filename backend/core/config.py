@@ -171,9 +171,10 @@ class Settings(BaseSettings):
         description="against replies that loop; 1.2 from the measurement in [benchmarks](benchmarks.md)",
     )
     reply_repetition_penalty_scope: RepetitionScope = Field(
-        default=RepetitionScope.ALL,
-        description="the tokens the repetition penalty covers: `all` (the prompt's too, vLLM's way) or `reply` (the "
-        "reply's own, leaving the prompt's wording free to quote and to draft; [benchmarks](benchmarks.md))",
+        default=RepetitionScope.REPLY,
+        description="the tokens the repetition penalty covers: `reply` (the reply's own: as few loops, replies that "
+        "end on their own, and the prompt's wording free to quote and to draft; [benchmarks](benchmarks.md)) or `all` "
+        "(the prompt's too, vLLM's way)",
     )
     reply_presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="chat replies' presence penalty")
     reply_frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="chat replies' frequency penalty")

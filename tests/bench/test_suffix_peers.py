@@ -25,14 +25,16 @@ def test_the_suffix_peer_starts_vllm_with_the_suffix_speculative_config(tmp_path
 
 
 def test_a_peer_stops_at_eos_with_the_replays_reply_settings() -> None:
-    chat = peer_sampling(suffix_decoding.REPLY_SETTINGS["chat"])
-    assert chat == {"ignore_eos": False, "temperature": 0.0, "repetition_penalty": 1.2}
+    scoped_all = peer_sampling(suffix_decoding.REPLY_SETTINGS["repetition-1.2-all"])
+    assert scoped_all == {"ignore_eos": False, "temperature": 0.0, "repetition_penalty": 1.2}
     assert peer_sampling(suffix_decoding.REPLY_SETTINGS["greedy"]) == {"ignore_eos": False, "temperature": 0.0}
 
 
 def test_a_repetition_penalty_on_the_reply_only_is_refused_for_vllm_peers() -> None:
     with pytest.raises(ValueError, match=r"^vLLM cannot scope its repetition penalty to 'reply': it always covers"):
         peer_sampling(suffix_decoding.REPLY_SETTINGS["repetition-1.2-reply"])
+    with pytest.raises(ValueError, match=r"^vLLM cannot scope"):  # the chat's defaults scope it to the reply
+        peer_sampling(suffix_decoding.REPLY_SETTINGS["chat"])
     assert peer_sampling({"repetition_penalty": 1.2, "repetition_penalty_scope": "all"}) == {
         "ignore_eos": False,
         "repetition_penalty": 1.2,

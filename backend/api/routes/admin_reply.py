@@ -29,8 +29,9 @@ class ReplySettingsIn(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="0 = off")
     repetition_penalty: float = Field(default=1.0, ge=0.01, le=2.0, description="1 = off; > 1 discourages repeats")
     repetition_penalty_scope: RepetitionScope = Field(
-        default=RepetitionScope.ALL,
-        description="the tokens the repetition penalty covers: all (the prompt's too, vLLM's way) or the reply's own",
+        default=RepetitionScope.REPLY,
+        description="the tokens the repetition penalty covers: the reply's own (the chat's default) or all (the "
+        "prompt's too, vLLM's way)",
     )
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
