@@ -295,7 +295,7 @@ async def test_deleting_a_session_erases_its_blocks_and_reports_them_by_tier(
     live: LiveServer, tiny_engine: LLMEngine
 ) -> None:
     session_id, _ = await one_turn(live, CHAT_TOKEN, PARCEL)
-    async with httpx.AsyncClient(base_url=live.http) as http:
+    async with httpx.AsyncClient(base_url=live.http, timeout=TIMEOUT) as http:
         footprint = (await http.get(f"/admin/sessions/{session_id}/detail", headers=A)).json()["cache_footprint"]
         deleted = await http.delete(f"/admin/sessions/{session_id}", headers=A)
         again = await http.delete(f"/admin/sessions/{session_id}", headers=A)
