@@ -6,11 +6,12 @@ Each step names the module it runs in; the path enters each once and does not co
 
 1. the message can be answered at all: system prompt + message + reply within the model's budget
    (``answerable.py``; from its length alone for almost every message), else it is refused and nothing is stored;
-2. ONE transaction (``_store_and_read``): the session locked (``services/sessions.py``), its context read under the
-   lock (``services/context_service.py``: the session with its tenant and settings, messages, topic history,
-   blocks, the rules' version), a retried ``client_msg_id`` found among the messages read, else the message stored
-   (``awaiting_reply`` when the bot is to answer it), the tenant's reply settings and tools read (``reply_setup.py``)
-   and its hand-off settings (``agent_desk.py``, from memory mostly); one commit;
+2. ONE transaction (``message_store.py``): the context read (``services/context_service.py``: the session with its
+   tenant and settings, messages, topic history, blocks, the rules' version), the tenant's reply settings and tools
+   (``reply_setup.py``) and its hand-off settings (``agent_desk.py``, from memory mostly); then the session locked
+   (``services/sessions.py``) and the message stored (``awaiting_reply`` when the bot is to answer it); one commit.
+   A retried ``client_msg_id``, or a message stored between the read and the lock, runs it again with the reads
+   under the lock;
 3. the ack; a retry gets its stored reply replayed, or attaches to its turn in flight, or starts its turn again;
 4. the session's status after the message (``agent_desk.py``): a resolved session reopens; a request for a person
    hands off; while a person holds the session, the message is observed (topic, blocks) and goes to the agents, and
@@ -46,9 +47,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.chat import reply_setup
@@ -56,6 +55,7 @@ from backend.chat.agent_desk import WAITING, AgentDesk
 from backend.chat.answerable import Answerable
 from backend.chat.grounding import turn_grounding
 from backend.chat.hub import Send, SessionHub
+from backend.chat.message_store import MessageStore, Stored
 from backend.chat.prompt import asks_for_human
 from backend.chat.protocol import (
     ErrorFrame,
@@ -78,7 +78,7 @@ from backend.context.builder import prefix_segments
 from backend.context.contact_guard import ContactGuard
 from backend.context.contacts import ContactKind
 from backend.context.grounding import Grounding
-from backend.core.errors import SessionClosedError, engine_error_code
+from backend.core.errors import engine_error_code
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
 from backend.db.models import Message, Tenant
@@ -88,27 +88,11 @@ from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import EngineBusy, EngineError, FinishReason, RequestFinished
 from backend.services import sessions as store
 from backend.services.context_service import SYSTEM_ACTOR, ContextService, Observation, Plan, SessionContext
-from backend.services.handoff_settings import HandoffSettings
 from backend.services.tool_calls import ToolCaller
 from backend.services.tool_exchange import ToolExchange
 
 log = logging.getLogger("kvchat.chat")
 SetStatus = Callable[[str, SessionStatus], Awaitable[None]]
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    """What step 2's transaction leaves: the message (``duplicate``: stored before, a retry), the status it was
-    stored under, a retry's stored reply, the session's context with the message, and the tenant's reply setup."""
-
-    message: Message
-    duplicate: bool
-    before: SessionStatus
-    reply: Message | None
-    context: SessionContext
-    setup: ReplySetup
-    handoff: HandoffSettings
-    read_again: bool = False  # a turn of the session was in flight in this process at the read: it stores after it
 
 
 class TurnPath:
@@ -137,6 +121,7 @@ class TurnPath:
         self.reply = reply
         self._metrics = metrics
         self._commit_delay_s = commit_delay_s  # test hook (crash tests): see store.add_assistant_message
+        self._messages = MessageStore(sessionmaker, context, desk, turns, reply.defaults)
         self._answerable = Answerable(engine)
         self._streamer = ReplyStreamer(engine, hub, metrics)
         self._tools = ToolTurn(engine, self._streamer, ToolCaller(sessionmaker, reply.tools_allow_private_networks))
@@ -158,7 +143,7 @@ class TurnPath:
     async def _submit(self, tenant: Tenant, session_id: str, frame: UserMessage, reply_to: Send) -> None:
         marks = TurnMarks(time.perf_counter())
         await self._answerable.check(tenant.id, _prefix_text(tenant), frame.text, self.budget)  # 1
-        stored = await self._store_and_read(tenant.id, session_id, frame)  # 2
+        stored = await self._messages.store(tenant.id, session_id, frame)  # 2
         marks.mark("stored")
         message = stored.message
         reply_to(MessageAck(client_msg_id=frame.client_msg_id, seq=message.seq, duplicate=stored.duplicate))  # 3
@@ -191,84 +176,6 @@ class TurnPath:
             if status in WAITING and not stored.duplicate:
                 await self._observe_only(stored)
                 await self._desk.customer_wrote(tenant.id, message, status)
-
-    async def _store_and_read(self, tenant_id: str, session_id: str, frame: UserMessage) -> Stored:
-        """Step 2, one transaction: the context read, then the session locked and the message stored.
-
-        The reads go first, before the lock (``_read_then_store``): on SQLite the lock is the database's one writer
-        (``backend/db/sqlite_writer.py``), and every trip to the database made while holding it holds every other
-        turn's writes too. The message's seq is the read's last seq + 1; a message stored meanwhile has that seq
-        (``uq_messages_session_seq``), so the insert fails and the step runs again with the reads under the lock
-        (``_lock_then_read``), as does a retried ``client_msg_id`` (rare: a reconnect) and a unique-key race with
-        another process storing the same ``client_msg_id``."""
-        try:
-            async with self._sm() as db:
-                stored = await self._read_then_store(db, tenant_id, session_id, frame)
-            if stored is not None:
-                return stored
-        except IntegrityError:
-            pass
-        try:
-            async with self._sm() as db:
-                return await self._lock_then_read(db, tenant_id, session_id, frame)
-        except IntegrityError:
-            async with self._sm() as db:
-                return await self._lock_then_read(db, tenant_id, session_id, frame)
-
-    async def _read_then_store(
-        self, db: AsyncSession, tenant_id: str, session_id: str, frame: UserMessage
-    ) -> Stored | None:
-        """The common case: read, lock, store a new message, commit (three trips hold SQLite's writer). None when
-        the message was stored before (a retry: ``_lock_then_read`` replays it) or the session's topic or pinned
-        context changed after the read."""
-        in_flight = self._turns.in_flight(session_id) is not None  # NOTE: known before the read
-        ctx = await self._context.load(db, tenant_id, session_id)
-        setup = await reply_setup.load(db, tenant_id, self.reply.defaults)
-        handoff = await self._desk.handoff_settings(tenant_id, db)  # (from memory, mostly)
-        if any(_sent_as(m, frame.client_msg_id) for m in ctx.messages):
-            return None
-        session = await store.lock_session(db, tenant_id, session_id)
-        if session.status == SessionStatus.CLOSED.value:
-            raise SessionClosedError("this session is closed; start a new one")
-        before = SessionStatus(session.status)
-        if (session.topic_epoch, session.semantic_temperature, session.pinned_context) != (
-            ctx.epoch,
-            ctx.temperature,
-            ctx.pinned_context,
-        ):
-            await db.rollback()  # the topic or the pinned context moved after the read: read under the lock
-            return None
-        # NOTE: a turn that started between the read and the lock makes this turn read its context again, after it.
-        read_again = in_flight or self._turns.in_flight(session_id) is not None
-        awaiting = _bot_answers(before, frame.text)
-        message = store.new_user_message(db, session_id, ctx.last_seq + 1, frame.client_msg_id, frame.text, awaiting)
-        await db.commit()
-        return Stored(message, False, before, None, ctx.with_message(message), setup, handoff, read_again)
-
-    async def _lock_then_read(self, db: AsyncSession, tenant_id: str, session_id: str, frame: UserMessage) -> Stored:
-        """The reads under the session's lock (a write: SQLite's writer, Postgres's row lock), so the status, the
-        messages and the next seq read are the ones the message is stored under; a closed session leaves by the
-        rollback. A retried ``client_msg_id`` is found among the messages read and its reply replayed."""
-        session = await store.lock_session(db, tenant_id, session_id)
-        if session.status == SessionStatus.CLOSED.value:
-            raise SessionClosedError("this session is closed; start a new one")
-        before = SessionStatus(session.status)
-        read_again = self._turns.in_flight(session_id) is not None  # NOTE: known under the lock, before the read
-        ctx = await self._context.load(db, tenant_id, session_id)
-        setup = await reply_setup.load(db, tenant_id, self.reply.defaults)
-        handoff = await self._desk.handoff_settings(tenant_id, db)  # (from memory, mostly)
-        message = next((m for m in ctx.messages if _sent_as(m, frame.client_msg_id)), None)
-        if message is not None:
-            reply = max((m for m in ctx.messages if m.reply_to_seq == message.seq), key=_seq, default=None)
-            attached = self._turns.get(session_id, frame.client_msg_id) is not None
-            if reply is None and before == SessionStatus.BOT_ACTIVE and not attached:
-                await store.await_reply(db, message)  # a retry restarts a turn that left no reply: owed one again
-            await db.commit()
-            return Stored(message, True, before, reply, ctx, setup, handoff, read_again)
-        awaiting = _bot_answers(before, frame.text)
-        message = store.new_user_message(db, session_id, ctx.last_seq + 1, frame.client_msg_id, frame.text, awaiting)
-        await db.commit()
-        return Stored(message, False, before, None, ctx.with_message(message), setup, handoff, read_again)
 
     async def _after_customer_message(self, stored: Stored) -> SessionStatus:
         status, session_id = stored.before, stored.message.session_id
@@ -500,19 +407,6 @@ async def _settled(task: asyncio.Task[None] | None) -> None:
     """Wait for the bookkeeping (it logs its own failures)."""
     if task is not None:
         await asyncio.shield(task)  # (a cancelled turn still lets its writes finish)
-
-
-def _sent_as(m: Message, client_msg_id: str) -> bool:
-    return m.role == MessageRole.USER.value and m.client_msg_id == client_msg_id
-
-
-def _seq(m: Message) -> int:
-    return m.seq
-
-
-def _bot_answers(status: SessionStatus, text: str) -> bool:
-    """Whether a new customer message starts a bot turn (mirrors ``TurnPath._after_customer_message``)."""
-    return status in (SessionStatus.BOT_ACTIVE, SessionStatus.RESOLVED) and not asks_for_human(text)
 
 
 def _prefix_text(tenant: Tenant) -> str:

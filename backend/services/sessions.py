@@ -12,6 +12,7 @@ A user message the bot is to answer is stored ``awaiting_reply``; its reply's tr
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -189,23 +190,34 @@ async def add_assistant_message(
     a restart wrote), that one is returned and nothing is added. ``commit_delay_s`` is a test hook: it holds the
     transaction open before the commit (crash tests widen that window with it).
     """
-    args = (session_id, reply_to_seq, text, status, usage, commit_delay_s, tool_exchange)
+
+    def reply_at(seq: int) -> Message:
+        return Message(
+            session_id=session_id,
+            seq=seq,
+            role=MessageRole.ASSISTANT.value,
+            content=text,
+            status=status.value,
+            reply_to_seq=reply_to_seq,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            tool_exchange=tool_exchange,
+        )
+
     try:
-        return await _add_reply(db, *args, reads_first=True)
+        return await _add_reply(db, session_id, reply_to_seq, reply_at, commit_delay_s, reads_first=True)
     except IntegrityError:
         await db.rollback()  # a message landed between the reads and the lock: its seq was taken
-    return await _add_reply(db, *args, reads_first=False)
+    return await _add_reply(db, session_id, reply_to_seq, reply_at, commit_delay_s, reads_first=False)
 
 
 async def _add_reply(
     db: AsyncSession,
     session_id: str,
     reply_to_seq: int,
-    text: str,
-    status: MessageStatus,
-    usage: TokenUsage,
+    reply_at: Callable[[int], Message],
     commit_delay_s: float,
-    tool_exchange: str | None,
     *,
     reads_first: bool,
 ) -> Message:
@@ -223,18 +235,7 @@ async def _add_reply(
     seq = await _next_seq(db, session_id)
     if reads_first:
         await _lock_session(db, session_id)
-    message = Message(
-        session_id=session_id,
-        seq=seq,
-        role=MessageRole.ASSISTANT.value,
-        content=text,
-        status=status.value,
-        reply_to_seq=reply_to_seq,
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        cached_tokens=usage.cached_tokens,
-        tool_exchange=tool_exchange,
-    )
+    message = reply_at(seq)
     db.add(message)
     await db.execute(
         update(Message)

@@ -1,0 +1,154 @@
+"""Step 2 of a customer message's path (``turn_path.py``): the message stored and its turn's context read, in one
+transaction.
+
+The reads go first, before the session's lock (``_read_then_store``): on SQLite the lock is the database's one
+writer (``backend/db/sqlite_writer.py``), and a transaction that reads while holding it holds every other turn's
+writes too. The message's seq is the read's last seq + 1; a message stored meanwhile has that seq
+(``uq_messages_session_seq``), so the insert fails and the step runs again with the reads under the lock
+(``_lock_then_read``), as does a retried ``client_msg_id`` (a reconnect: its stored reply is replayed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from backend.chat import reply_setup
+from backend.chat.agent_desk import AgentDesk
+from backend.chat.prompt import asks_for_human
+from backend.chat.protocol import UserMessage
+from backend.chat.reply_setup import ReplySetup
+from backend.chat.turns import Turns
+from backend.core.errors import SessionClosedError
+from backend.db.models import Message
+from backend.domain import MessageRole, SessionStatus
+from backend.services import sessions as store
+from backend.services.context_service import ContextService, SessionContext
+from backend.services.handoff_settings import HandoffSettings
+from backend.services.reply_settings import ReplySettings
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """What step 2's transaction leaves: the message (``duplicate``: stored before, a retry), the status it was
+    stored under, a retry's stored reply, the session's context with the message, and the tenant's reply setup."""
+
+    message: Message
+    duplicate: bool
+    before: SessionStatus
+    reply: Message | None
+    context: SessionContext
+    setup: ReplySetup
+    handoff: HandoffSettings
+    read_again: bool = False  # a turn of the session was in flight in this process at the read: it stores after it
+
+
+class MessageStore:
+    """Stores a customer message with the context its turn reads (``store``)."""
+
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        context: ContextService,
+        desk: AgentDesk,
+        turns: Turns,
+        defaults: ReplySettings,
+    ) -> None:
+        self._sm = sessionmaker
+        self._context = context
+        self._desk = desk
+        self._turns = turns
+        self._defaults = defaults  # the server's reply settings, for tenants without their own
+
+    async def store(self, tenant_id: str, session_id: str, frame: UserMessage) -> Stored:
+        """Step 2, one transaction: the context read, then the session locked and the message stored.
+
+        The reads go first, before the lock (``_read_then_store``): on SQLite the lock is the database's one writer
+        (``backend/db/sqlite_writer.py``), and every trip to the database made while holding it holds every other
+        turn's writes too. The message's seq is the read's last seq + 1; a message stored meanwhile has that seq
+        (``uq_messages_session_seq``), so the insert fails and the step runs again with the reads under the lock
+        (``_lock_then_read``), as does a retried ``client_msg_id`` (rare: a reconnect) and a unique-key race with
+        another process storing the same ``client_msg_id``."""
+        try:
+            async with self._sm() as db:
+                stored = await self._read_then_store(db, tenant_id, session_id, frame)
+            if stored is not None:
+                return stored
+        except IntegrityError:
+            pass
+        try:
+            async with self._sm() as db:
+                return await self._lock_then_read(db, tenant_id, session_id, frame)
+        except IntegrityError:
+            async with self._sm() as db:
+                return await self._lock_then_read(db, tenant_id, session_id, frame)
+
+    async def _read_then_store(
+        self, db: AsyncSession, tenant_id: str, session_id: str, frame: UserMessage
+    ) -> Stored | None:
+        """The common case: read, lock, store a new message, commit (three trips hold SQLite's writer). None when
+        the message was stored before (a retry: ``_lock_then_read`` replays it) or the session's topic or pinned
+        context changed after the read."""
+        in_flight = self._turns.in_flight(session_id) is not None  # NOTE: known before the read
+        ctx = await self._context.load(db, tenant_id, session_id)
+        setup = await reply_setup.load(db, tenant_id, self._defaults)
+        handoff = await self._desk.handoff_settings(tenant_id, db)  # (from memory, mostly)
+        if any(_sent_as(m, frame.client_msg_id) for m in ctx.messages):
+            return None
+        session = await store.lock_session(db, tenant_id, session_id)
+        if session.status == SessionStatus.CLOSED.value:
+            raise SessionClosedError("this session is closed; start a new one")
+        before = SessionStatus(session.status)
+        if (session.topic_epoch, session.semantic_temperature, session.pinned_context) != (
+            ctx.epoch,
+            ctx.temperature,
+            ctx.pinned_context,
+        ):
+            await db.rollback()  # the topic or the pinned context moved after the read: read under the lock
+            return None
+        # NOTE: a turn that started between the read and the lock makes this turn read its context again, after it.
+        read_again = in_flight or self._turns.in_flight(session_id) is not None
+        awaiting = _bot_answers(before, frame.text)
+        message = store.new_user_message(db, session_id, ctx.last_seq + 1, frame.client_msg_id, frame.text, awaiting)
+        await db.commit()
+        return Stored(message, False, before, None, ctx.with_message(message), setup, handoff, read_again)
+
+    async def _lock_then_read(self, db: AsyncSession, tenant_id: str, session_id: str, frame: UserMessage) -> Stored:
+        """The reads under the session's lock (a write: SQLite's writer, Postgres's row lock), so the status, the
+        messages and the next seq read are the ones the message is stored under; a closed session leaves by the
+        rollback. A retried ``client_msg_id`` is found among the messages read and its reply replayed."""
+        session = await store.lock_session(db, tenant_id, session_id)
+        if session.status == SessionStatus.CLOSED.value:
+            raise SessionClosedError("this session is closed; start a new one")
+        before = SessionStatus(session.status)
+        read_again = self._turns.in_flight(session_id) is not None  # NOTE: known under the lock, before the read
+        ctx = await self._context.load(db, tenant_id, session_id)
+        setup = await reply_setup.load(db, tenant_id, self._defaults)
+        handoff = await self._desk.handoff_settings(tenant_id, db)  # (from memory, mostly)
+        message = next((m for m in ctx.messages if _sent_as(m, frame.client_msg_id)), None)
+        if message is not None:
+            reply = max((m for m in ctx.messages if m.reply_to_seq == message.seq), key=_seq, default=None)
+            attached = self._turns.get(session_id, frame.client_msg_id) is not None
+            if reply is None and before == SessionStatus.BOT_ACTIVE and not attached:
+                await store.await_reply(db, message)  # a retry restarts a turn that left no reply: owed one again
+            await db.commit()
+            return Stored(message, True, before, reply, ctx, setup, handoff, read_again)
+        awaiting = _bot_answers(before, frame.text)
+        message = store.new_user_message(db, session_id, ctx.last_seq + 1, frame.client_msg_id, frame.text, awaiting)
+        await db.commit()
+        return Stored(message, False, before, None, ctx.with_message(message), setup, handoff, read_again)
+
+
+def _sent_as(m: Message, client_msg_id: str) -> bool:
+    return m.role == MessageRole.USER.value and m.client_msg_id == client_msg_id
+
+
+def _seq(m: Message) -> int:
+    return m.seq
+
+
+def _bot_answers(status: SessionStatus, text: str) -> bool:
+    """Whether a new customer message starts a bot turn (mirrors ``TurnPath._after_customer_message``)."""
+    return status in (SessionStatus.BOT_ACTIVE, SessionStatus.RESOLVED) and not asks_for_human(text)
