@@ -4,24 +4,27 @@ One ``schedule()`` call plans one model step:
 
 1. running sequences that decode (one token each, plus the draft tokens the cost model lets it verify: engine.spec),
    oldest admission first;
-2. running sequences still prefilling (a chunk each), within the step's token budget;
-3. waiting sequences, fairly by tenant (below), while the budget, ``max_num_seqs`` and the pool allow.
+2. the step's prefill: running sequences still prefilling (a chunk each) and waiting sequences (admitted while
+   ``max_num_seqs`` and the pool allow), one list in fair order (below), within the step's prefill budget.
 
 Fair share (``engine.fair_share``, VTC): every tenant has a virtual token counter that grows with the tokens
-planned for it (prefill chunks and decodes; prefix-cache hits are free) divided by its weight. Admission takes the
-waiting sequence of the tenant with the smallest counter (inside it, of the session with the smallest counter; then
-the oldest), and running prefills take the step's budget in that order too, so one tenant's burst cannot hold
-another's reply. A tenant back from idle is lifted to the smallest active counter: idling banks no credit. Alone, a
-tenant gets the whole engine. Scheduling decides only when a token is computed, never its value.
+planned for it (prefill chunks and decodes; prefix-cache hits are free) divided by its weight. The step's prefill
+goes first to the sequence, running or waiting, of the tenant with the smallest counter (inside it, of the session
+with the smallest counter; a running one before a waiting one on a tie; among waiting ones of a session the oldest),
+so one tenant's burst, admitted or queued, cannot hold another's reply. A tenant back from idle is lifted to the
+smallest active counter: idling banks no credit. Alone, a tenant gets the whole engine. Scheduling decides only when
+a token is computed, never its value.
 
 When every running slot is taken and the fairest waiting sequence's tenant has nothing running, one running sequence
 of the tenant that holds the most slots, beyond its even share, is preempted for it (one a step). Without that, a
 burst admitted together finishes together, and the next tenant waits for the whole burst's replies, however small
 its counter.
 
-While other sequences are in flight, a prefill chunk takes at most ``long_prefill_chunk`` tokens of the step (alone,
-a prompt takes the whole budget): a long cold prompt then advances a chunk a step beside the others, and a new
-turn's short prefill or a decode waits behind one such chunk, not behind the whole budget's worth.
+While other sequences are in flight, the step's prefill takes at most ``long_prefill_chunk`` tokens in all (alone, a
+prompt takes the whole budget): a step then costs about one such chunk (~200 ms on the kinds measured) plus its
+decodes, so a decode, or a new turn of a tenant with a smaller counter, waits behind at most one such step, not
+behind a whole budget's worth of other prompts (a burst of 60 new turns planned 2,048 prefill tokens a step: ~4 s
+on 2 AVX2 cores).
 
 When the pool runs out for a running sequence, the most recently admitted running sequence is preempted: its blocks
 are freed and it goes back to the front of the waiting queue, to be recomputed later (its published blocks usually
@@ -52,7 +55,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_waiting: int = 256
     block_size: int = 16
-    # NOTE: the longest prefill chunk of a step that has other sequences in flight (0: no cap, the budget). The
+    # NOTE: the most prefill tokens of a step that has other sequences in flight (0: no cap, the budget). The
     # engine sets it per CPU kind and dtype (engine.model.kernels.prefill_chunk): a chunk a step costs ~200 ms there.
     long_prefill_chunk: int = 0
     # NOTE: a constant retry hint: the queue drains at a rate that depends on prompt and output lengths the caller
@@ -117,7 +120,9 @@ class _Step:
     """What one ``schedule()`` call has decided so far."""
 
     budget: int
+    prefill: int  # prefill tokens the step may still plan (``Scheduler._prefill_budget``)
     scheduled: dict[str, ScheduledSeq] = field(default_factory=dict)
+    prefills: dict[str, int] = field(default_factory=dict)  # prefill chunks planned, by request id
     preempted: list[Sequence] = field(default_factory=list)
     rejected: list[Sequence] = field(default_factory=list)
 
@@ -192,16 +197,10 @@ class Scheduler:
         seq.status = status
 
     def schedule(self) -> SchedulerOutput:
-        step = _Step(budget=self.config.max_num_batched_tokens)
-        self._schedule_running(step, decodes=True)
-        self._schedule_running(step, decodes=False)
-        # NOTE: no admission in a step that preempted: the pool is already short, a new sequence would only be
-        # preempted in turn (the same rule as vLLM).
-        while step.budget > 0 and len(self.running) < self.config.max_num_seqs and not step.preempted:
-            seq = self._next_waiting()
-            if seq is None or not self._admit(seq, step):
-                break
-        if step.budget > 0 and len(self.running) >= self.config.max_num_seqs and not step.preempted:
+        step = _Step(budget=self.config.max_num_batched_tokens, prefill=self._prefill_budget())
+        self._schedule_decodes(step)
+        self._schedule_prefills(step)
+        if self._room(step) and len(self.running) >= self.config.max_num_seqs and not step.preempted:
             self._hand_over_a_slot(step)
         return SchedulerOutput(list(step.scheduled.values()), step.preempted, step.rejected)
 
@@ -226,17 +225,17 @@ class Scheduler:
 
     def _next_waiting(self) -> Sequence | None:
         """The waiting sequence to admit next: smallest tenant counter; inside the tenant, a preempted sequence first
-        (its reply stalled mid-stream), then the session with the smallest counter, then the oldest (the front of
-        the queue, where a preempted sequence goes back).
+        (its reply stalled mid-stream), then the session with the smallest counter, then the shortest, then the
+        oldest (the front of the queue, where a preempted sequence goes back).
 
         NOTE: a sequence whose prefix is still loading from disk is passed over, not waited for.
         """
         ready = (seq for seq in self.waiting if not seq.loading)
         return min(ready, key=self._rank, default=None)
 
-    def _rank(self, seq: Sequence) -> tuple[float, bool, float]:
+    def _rank(self, seq: Sequence) -> tuple[float, bool, float, int]:
         tenant, session = self.fair.rank(seq.share, seq.fair_session)
-        return tenant, seq.num_preemptions == 0, session
+        return tenant, seq.num_preemptions == 0, session, seq.num_tokens
 
     def _hand_over_a_slot(self, step: _Step) -> None:
         """All slots are taken: when the fairest waiting sequence's tenant has none, preempt the newest running
@@ -262,27 +261,65 @@ class Scheduler:
         self._preempt(victim, step)
         self._admit(seq, step)  # (short of blocks even now, it waits in front: nothing is lost)
 
-    def _schedule_running(self, step: _Step, decodes: bool) -> None:
-        # NOTE: decodes in admission order (one token each: the budget rarely runs out before them); prefill chunks
-        # by fair rank, so the step's budget goes to the tenant that has been served least.
-        seqs = list(self.running)
-        if not decodes:
-            seqs.sort(key=lambda seq: self.fair.rank(seq.share, seq.fair_session))
-        per_seq = self._drafts_per_seq() if decodes else 0
-        for seq in seqs:
+    def _schedule_decodes(self, step: _Step) -> None:
+        """Every running sequence that decodes: one token, and the drafts the cost model lets it verify."""
+        per_seq = self._drafts_per_seq()
+        for seq in list(self.running):  # NOTE: admission order: the budget rarely runs out before the decodes
             if step.budget <= 0:
                 return
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled or remaining <= 0:
-                continue  # preempted earlier in this loop, already planned, or waiting for its sampled token
-            if (remaining == 1) != decodes:
-                continue
-            num_new = min(remaining, step.budget, self._chunk_cap())
-            drafts = self._drafts(seq, per_seq, step) if decodes else ()
+            if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled or not _decodes(seq):
+                continue  # preempted earlier in this loop, or prefilling, or waiting for its sampled token
+            drafts = self._drafts(seq, per_seq, step)
             if drafts:
                 self._plan(seq, 1 + len(drafts), step, drafts)
-            elif self._reserve(seq, num_new, step):
-                self._plan(seq, num_new, step)
+            elif self._reserve(seq, 1, step):
+                self._plan(seq, 1, step)
+
+    def _schedule_prefills(self, step: _Step) -> None:
+        """The step's prefill budget, to running prefills and the next waiting sequence (the fairest:
+        ``_next_waiting``) in one order: the smallest tenant counter first (it grows as the step plans); inside a
+        tenant, the fewest prompt tokens left to compute first, a running one first on a tie.
+
+        NOTE: why the tokens left, not the session counters, inside a tenant: a session's counter grows with each
+        chunk of its own prompt, so sessions that arrived together would take turns a chunk each and all finish
+        their prompts at the end (each first token as late as the last one's); fewest-left-first prefills them in
+        turn, and still puts a new turn's short prompt before the rest of a long cold one. Which waiting sequence
+        competes is still chosen by session counter, so one session's burst does not hold another session's turn.
+
+        NOTE: no admission in a step that preempted: the pool is already short, a new sequence would only be
+        preempted in turn (the same rule as vLLM); nor after the fairest waiting one found no blocks: nobody
+        overtakes it (else a long prompt could starve)."""
+        admitting = True
+        while self._room(step):
+            running = [s for s in self.running if s.request_id not in step.scheduled and _prefills(s)]
+            run = min(running, key=self._prefill_rank, default=None)
+            room = admitting and not step.preempted and len(self.running) < self.config.max_num_seqs
+            wait = self._next_waiting() if room else None
+            if wait is not None and (run is None or self._prefill_rank(wait) < self._prefill_rank(run)):
+                admitting = self._admit(wait, step)
+                continue
+            if run is None:
+                return
+            num_new = min(run.num_tokens - run.num_computed_tokens, step.budget, step.prefill)
+            if self._reserve(run, num_new, step):
+                self._plan(run, num_new, step, prefill=True)
+            else:
+                admitting = False  # (the pool is short: the rule above)
+
+    def _room(self, step: _Step) -> bool:
+        return step.budget > 0 and step.prefill > 0
+
+    def _prefill_rank(self, seq: Sequence) -> tuple[float, int]:
+        """Tenant counter, then prompt tokens left (a waiting sequence's prefix hit is not known before its match:
+        counted as left, so it goes behind a running prefill with as many left)."""
+        return self.fair.tenants.counter(seq.share.tenant), seq.num_tokens - seq.num_computed_tokens
+
+    def _prefill_budget(self) -> int:
+        """The most prefill tokens this step plans: ``long_prefill_chunk`` while another sequence is in flight
+        (running or waiting), else no cap (the step budget bounds it)."""
+        cap = self.config.long_prefill_chunk
+        alone = len(self.running) + len(self.waiting) <= 1
+        return self.config.max_num_batched_tokens if alone or cap == 0 else cap
 
     def _drafts_per_seq(self) -> int:
         """The most draft tokens each decoding sequence may verify this step (the cost model's word)."""
@@ -322,7 +359,7 @@ class Scheduler:
             match = MatchResult(num_query_tokens=seq.num_tokens)
         else:
             match = self.kv.match_prefix(seq.root, seq.all_token_ids)
-        num_new = min(seq.num_tokens - match.num_cached_tokens, step.budget, self._chunk_cap())
+        num_new = min(seq.num_tokens - match.num_cached_tokens, step.budget, step.prefill)
         if not self.kv.allocate_slots(seq.request_id, match.num_cached_tokens + num_new, match, seq.spans):
             if self.running:
                 return False  # the fairest waits for blocks; nobody overtakes it (else a long prompt could starve)
@@ -340,22 +377,20 @@ class Scheduler:
                 disk = sum(1 for h in match.block_hashes if h in seq.promoted)
                 seq.num_disk_cached_tokens = disk * self.config.block_size
         self.running.append(seq)
-        self._plan(seq, num_new, step)
+        self._plan(seq, num_new, step, prefill=True)
         return True
 
-    def _chunk_cap(self) -> int:
-        """The most tokens one prefill chunk may take now: ``long_prefill_chunk`` while another sequence is in
-        flight (running or waiting), else no cap (the step budget bounds it)."""
-        cap = self.config.long_prefill_chunk
-        alone = len(self.running) + len(self.waiting) <= 1
-        return self.config.max_num_batched_tokens if alone or cap == 0 else cap
-
-    def _plan(self, seq: Sequence, num_new: int, step: _Step, drafts: tuple[int, ...] = ()) -> None:
+    def _plan(
+        self, seq: Sequence, num_new: int, step: _Step, drafts: tuple[int, ...] = (), prefill: bool = False
+    ) -> None:
         start = seq.num_computed_tokens
         table = self.kv.block_table(seq.request_id)
         need_logits = start + num_new - len(drafts) == seq.num_tokens
         step.scheduled[seq.request_id] = ScheduledSeq(seq, start, num_new, table, need_logits, drafts)
         step.budget -= num_new
+        if prefill:
+            step.prefill -= num_new
+            step.prefills[seq.request_id] = num_new
         # NOTE: billed when planned, not after the step: the next pick of this same step must see it.
         self.fair.charge(seq.share, seq.fair_session, num_new)
 
@@ -365,6 +400,7 @@ class Scheduler:
         planned = step.scheduled.pop(seq.request_id, None)
         if planned is not None:  # NOTE: it was planned earlier in this step; give its tokens back to the budget
             step.budget += planned.num_new_tokens
+            step.prefill += step.prefills.pop(seq.request_id, 0)
             self.fair.charge(seq.share, seq.fair_session, -planned.num_new_tokens)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
@@ -377,3 +413,14 @@ class Scheduler:
         # whole pool; finishing it keeps the loop from retrying it forever.
         self.finish(seq, SequenceStatus.FINISHED_ABORTED)
         step.rejected.append(seq)
+
+
+def _decodes(seq: Sequence) -> bool:
+    """Whether a running sequence's next step is a decode: one token left to compute (its last sampled one)."""
+    return seq.num_tokens - seq.num_computed_tokens == 1
+
+
+def _prefills(seq: Sequence) -> bool:
+    """Whether a running sequence still prefills: more than one token left to compute (a prompt's chunk, or a
+    recompute after preemption)."""
+    return seq.status is SequenceStatus.RUNNING and seq.num_tokens - seq.num_computed_tokens > 1

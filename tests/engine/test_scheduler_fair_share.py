@@ -172,3 +172,44 @@ def test_preemption_gives_back_the_planned_tokens() -> None:
     out = step(sched)
     assert out.preempted == [b]
     assert (sched.fair.tenants.counter("A"), sched.fair.tenants.counter("B")) == (9.0, 8.0)
+
+
+def capped(max_num_seqs: int = 8, budget: int = 64, chunk: int = 16) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs, budget, 128, 4, long_prefill_chunk=chunk)
+    return Scheduler(config, KVCacheManager(256, 4))
+
+
+def test_beside_others_a_step_prefills_one_chunk_in_all() -> None:
+    sched = capped()
+    for i in range(6):
+        sched.add(seq(f"a{i}", "A", n=10))
+    out = sched.schedule()
+    # (a per-prompt cap would have planned all six, 60 tokens: a step ~4x as long for every decode beside it)
+    assert sum(i.num_new_tokens for i in out.scheduled) == 16
+
+
+def test_a_newcomer_is_planned_in_the_next_step_beside_another_tenants_running_prefills() -> None:
+    sched = capped(budget=64, chunk=16)
+    for i in range(4):
+        sched.add(seq(f"a{i}", "A", n=100))
+    for _ in range(2):  # A's long prompts are prefilling, a chunk a step
+        step(sched)
+    sched.add(seq("b", "B", n=8))
+    out = step(sched)
+    # B's counter is lifted to A's, and B's prompt has the fewest tokens left: it goes first
+    assert plan(out)[0] == ("b", 0, 8)
+    assert sum(i.num_new_tokens for i in out.scheduled) == 16
+
+
+def test_a_tenants_sessions_that_arrive_together_are_prefilled_in_turn_not_a_chunk_each() -> None:
+    sched = capped(budget=64, chunk=16)
+    for i in range(3):
+        sched.add(seq(f"s{i}", "A", n=40, session=f"session-{i}"))
+    first_token_step = {}
+    for n in range(1, 12):
+        for item in step(sched).scheduled:
+            if item.need_logits:
+                first_token_step.setdefault(item.seq.request_id, n)
+    # one 16-token chunk a step: s0's 40 tokens end in step 3, s1's in step 5 or 6, s2's last; taking turns a chunk
+    # each (by session counter), all three would end in steps 7-8
+    assert first_token_step["s0"] <= 3 < first_token_step["s1"] < first_token_step["s2"]
