@@ -241,7 +241,8 @@ def many_sessions(
 ) -> dict[str, Any]:
     """All sessions' turn k together; off round, then on round (same prompts), turn after turn."""
     histories = [[{"role": "system", "content": system}] for _ in convs]
-    out: dict[str, dict[str, float]] = {"off": {"tokens": 0, "wall_s": 0.0}, "on": {"tokens": 0, "wall_s": 0.0}}
+    zero = {"tokens": 0, "wall_s": 0.0, "drafted": 0, "accepted": 0, "verify_steps": 0}
+    out: dict[str, dict[str, float]] = {"off": dict(zero), "on": dict(zero)}
     ttft: dict[str, list[float]] = {"off": [], "on": []}
     mismatches = 0
     for k in range(turns):
@@ -249,10 +250,14 @@ def many_sessions(
         prompts = {i: fits(engine, [*histories[i], {"role": "user", "content": convs[i][k]}], max_tokens) for i in live}
         results = {}
         for name, drafts in (("off", False), ("on", True)):
-            started = time.perf_counter()
+            started, before = time.perf_counter(), engine.stats()
             batch = [(prompts[i], drafts, f"s16-{name}-{i}") for i in live]
             results[name] = run_turns(engine, batch, max_tokens)
             out[name]["wall_s"] += time.perf_counter() - started
+            after = engine.stats()
+            out[name]["drafted"] += after.drafted_tokens - before.drafted_tokens
+            out[name]["accepted"] += after.accepted_tokens - before.accepted_tokens
+            out[name]["verify_steps"] += after.verify_steps - before.verify_steps
             out[name]["tokens"] += sum(len(r.tokens) for r in results[name])
             ttft[name] += [r.ttft_s for r in results[name]]
         mismatches += sum(a.tokens != b.tokens for a, b in zip(results["off"], results["on"], strict=True))
@@ -264,6 +269,9 @@ def many_sessions(
             "throughput_tok_s": v["tokens"] / v["wall_s"],
             "ttft_p50_ms": 1000 * statistics.median(ttft[name]),
             "ttft_mean_ms": 1000 * statistics.fmean(ttft[name]),
+            "drafted": v["drafted"],
+            "accepted": v["accepted"],
+            "verify_steps": v["verify_steps"],
         }
         for name, v in out.items()
     } | {"greedy_mismatches": mismatches}
@@ -369,7 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sessions:
         many = many_sessions(engine, system, convs[: args.sessions], args.max_tokens, args.turns)
         rows = [[n, *many[n].values()] for n in ("off", "on")]
-        print(format_table(["drafts", "tok/s", "TTFT p50 ms", "TTFT mean ms"], rows))
+        heads = ["drafts", "tok/s", "TTFT p50 ms", "TTFT mean ms", "drafted", "accepted", "verify steps"]
+        print(format_table(heads, rows))
         print(f"greedy replies that differ off vs on: {many['greedy_mismatches']}")
         payload |= {"sessions": args.sessions, "many_sessions": many}
     named = args.out.with_name(f"suffix_decoding_{REPLY}.json")

@@ -30,14 +30,18 @@ class DraftCostModel:
     """Measured step costs, and the draft length that maximises tokens per millisecond for a sequence in a batch.
 
     With ``b`` sequences decoding, a sequence's share of the step is ``step_ms(b) / b``; each draft row it verifies
-    adds ``row_ms``, and verifying at all adds ``verify_ms / b`` (the verify path; NOTE: charged as if all ``b``
-    sequences verify, since it was measured for a lone one). A draft whose first ``i`` tokens all pass with chance
+    adds ``row_cost(b)`` (one figure, or measured points where it grows with the batch: on AVX2 in fp32 a row costs
+    ~1.5 ms beside 1-2 sequences and ~3 ms beside 8-16, where the step is bound by arithmetic), and verifying at all
+    adds ``verify_ms / b`` (the verify path; NOTE: charged as if all ``b`` sequences verify, since it was measured
+    for a lone one). A draft whose first ``i`` tokens all pass with chance
     ``c_i`` yields ``1 + c_1 + ... + c_k`` tokens when its first ``k`` are verified; ``rows`` picks the ``k`` with
     the most tokens per millisecond of the sequence's share, none where it gains less than ``MIN_GAIN`` over ``k = 0``.
     """
 
     base_ms: tuple[tuple[int, float], ...]  # (sequences decoding, step ms without drafts), ascending
-    row_ms: float  # what one draft row adds to a step (its linear rows and its decode attention)
+    # what one draft row adds to a step (its linear rows and its decode attention): one figure, or (sequences
+    # decoding, ms) points, ascending
+    row_ms: float | tuple[tuple[int, float], ...]
     acceptance: float  # the prior of the per-token acceptance against the tree's estimate (``LiveCostModel``)
     verify_ms: float = 0.0  # what verifying adds to a lone sequence's step beyond its rows
     max_draft_tokens: int = 24  # the tree's depth, as vLLM's suffix method (num_speculative_tokens = depth)
@@ -45,20 +49,17 @@ class DraftCostModel:
 
     def step_ms(self, decoding: int) -> float:
         """The step without drafts, interpolated between the measured batch sizes (linear beyond them)."""
-        points = self.base_ms
-        if decoding <= points[0][0]:
-            return points[0][1]
-        for (b0, t0), (b1, t1) in itertools.pairwise(points):
-            if decoding <= b1:
-                return t0 + (t1 - t0) * (decoding - b0) / (b1 - b0)
-        (b0, t0), (b1, t1) = points[-2], points[-1]
-        return t1 + (t1 - t0) * (decoding - b1) / (b1 - b0)
+        return _interpolate(self.base_ms, decoding)
+
+    def row_cost(self, decoding: int) -> float:
+        """What one draft row adds to a step of ``decoding`` sequences."""
+        return self.row_ms if isinstance(self.row_ms, float) else _interpolate(self.row_ms, decoding)
 
     def gain(self, decoding: int, chances: Sequence[float]) -> float:
         """Tokens per millisecond of a sequence verifying a draft whose first ``i`` tokens all pass with chance
         ``chances[i - 1]``, over the same sequence without drafts."""
         share = self.step_ms(decoding) / decoding
-        extra = self.verify_ms / decoding + len(chances) * self.row_ms if chances else 0.0
+        extra = self.verify_ms / decoding + len(chances) * self.row_cost(decoding) if chances else 0.0
         return (1 + sum(chances)) * share / (share + extra)
 
     def rows(self, decoding: int, chances: Sequence[float]) -> int:
@@ -149,6 +150,17 @@ class LiveCostModel:
         return self.model.rows(decoding, chances(probs, rate))
 
 
+def _interpolate(points: tuple[tuple[int, float], ...], x: int) -> float:
+    """Linear between measured (x, y) points, flat below the first, extended along the last two beyond them."""
+    if x <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
+
+
 DECAY = 0.95  # per scored draft: about the last 20 drafts count
 MIN_GAIN = 1.05  # below a 5 % gain, drafts are not worth the measurement noise and the rejected rows' energy
 F32, BF16 = torch.float32, torch.bfloat16
@@ -162,7 +174,9 @@ UNMEASURED = DraftCostModel(((1, 8.0), (2, 16.0)), row_ms=1.0, acceptance=0.5, m
 # over the batches and draft counts of (step - step without drafts) / rows; its attention is ~0.44 ms of the 1.06 at
 # 1k in bf16 (bench/verify_attention.py), the rest the row's linear products. A lone sequence's verify step costs
 # 1.3 ms more than its rows there (the mean over k = 2, 4, 8, 16 of step(k) - step(0) - 1.06 k at B = 1); none is seen
-# in the other tables beyond their noise.
+# in the other tables beyond their noise. AVX2 (Zen 3, fp32; no bf16 path there) gives the row cost per batch size
+# (the median over k = 2, 4, 8, 16 at each B): 1.3-1.6 ms beside 1-2 sequences, 2.8-3.1 ms beside 8-16, where the
+# step's linears are bound by arithmetic and a draft row costs about what a decode row does.
 MEASURED: dict[tuple[str, torch.dtype], DraftCostModel] = {
     ("AMX", BF16): DraftCostModel(
         base_ms=((1, 16.0), (2, 17.2), (4, 20.9), (8, 26.5), (16, 39.8)), row_ms=1.06, acceptance=0.5
@@ -172,6 +186,11 @@ MEASURED: dict[tuple[str, torch.dtype], DraftCostModel] = {
     ),
     ("AVX-512 + AVX512-BF16", F32): DraftCostModel(
         base_ms=((1, 24.3), (2, 21.5), (4, 29.4), (8, 31.3), (16, 55.6)), row_ms=1.99, acceptance=0.5
+    ),
+    ("AVX2 + FMA", F32): DraftCostModel(
+        base_ms=((1, 28.5), (2, 30.4), (4, 35.7), (8, 50.4), (16, 103.2)),
+        row_ms=((1, 1.56), (2, 1.34), (4, 2.04), (8, 2.78), (16, 3.12)),
+        acceptance=0.5,
     ),
 }
 

@@ -103,3 +103,13 @@ def test_zen4_has_its_own_model_in_both_dtypes(dtype: torch.dtype) -> None:
     model = for_machine(dtype, flags=zen4)
     assert model is MEASURED[("AVX-512 + AVX512-BF16", dtype)]
     assert model.rows(1, [1.0, 1.0]) > 0  # a lone sequence verifies drafts at the prior acceptance
+
+
+def test_a_row_cost_that_grows_with_the_batch_turns_drafts_off_sooner() -> None:
+    flat = DraftCostModel(base_ms=((1, 28.0), (16, 100.0)), row_ms=1.5, acceptance=0.5)
+    growing = DraftCostModel(base_ms=((1, 28.0), (16, 100.0)), row_ms=((1, 1.5), (16, 3.0)), acceptance=0.5)
+    assert growing.row_cost(1) == 1.5 and growing.row_cost(16) == 3.0 and growing.row_cost(31) == 4.5
+    assert growing.rows(1, [0.6] * 8) == flat.rows(1, [0.6] * 8) > 0  # the same figure where they agree
+    chances = [0.5, 0.25]
+    assert flat.rows(16, chances) > 0  # at 1.5 ms a row, a half-sure draft still pays beside 15 others ...
+    assert growing.rows(16, chances) == 0  # ... at the 3 ms measured there, it does not
