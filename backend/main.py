@@ -230,7 +230,16 @@ async def _start_phases(
     quotas = await _start_quotas(sessionmaker, metrics, owned)
     gated = GatedEngine(llm, quotas)  # chat turns and /v1 completions go through the tenants' quotas
     context = ContextService(sessionmaker, llm, namespaces)
-    chat = ChatService(sessionmaker, gated, SessionHub(), context, reply, settings.test_commit_delay_seconds, metrics)
+    chat = ChatService(
+        sessionmaker,
+        gated,
+        SessionHub(),
+        context,
+        reply,
+        settings.test_commit_delay_seconds,
+        metrics,
+        settings.turn_submit_concurrency,
+    )
     fanout = _start_fanout(url, name, chat, metrics, owned)  # (stopped after the drain: its last frames still go out)
     owned.push_async_callback(_drain, chat, settings.shutdown_grace_seconds)
     revocations = RevocationFeed(url, sessionmaker, chat.hub.keys)  # revoked keys close their sockets, any process

@@ -92,6 +92,7 @@ class ChatService:
         reply: ReplyConfig | None = None,
         commit_delay_s: float = 0.0,
         metrics: Metrics | None = None,
+        submit_concurrency: int = 8,
     ) -> None:
         self._sm = self.sessionmaker = sessionmaker
         self._engine = engine
@@ -112,6 +113,7 @@ class ChatService:
             reply or ReplyConfig(),
             metrics,
             commit_delay_s,
+            submit_concurrency,
         )
 
     @property

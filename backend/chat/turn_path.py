@@ -2,7 +2,8 @@
 
 Each step names the module it runs in; the path enters each once and does not come back.
 
-``submit`` (the socket's reader waits on it, up to the ack):
+``submit`` (the socket's reader waits on it, up to the ack; steps 1 and 2 hold a slot of a gate fair by tenant,
+``backend/core/fair_gate.py``, at most ``KVCHAT_TURN_SUBMIT_CONCURRENCY`` messages of all tenants at once):
 
 1. the message can be answered at all: system prompt + message + reply within the model's budget
    (``answerable.py``; from its length alone for almost every message), else it is refused and nothing is stored;
@@ -79,6 +80,7 @@ from backend.context.contact_guard import ContactGuard
 from backend.context.contacts import ContactKind
 from backend.context.grounding import Grounding
 from backend.core.errors import engine_error_code
+from backend.core.fair_gate import FairGate
 from backend.core.metrics import Metrics
 from backend.core.offload import run_cpu
 from backend.db.models import Message, Tenant
@@ -110,6 +112,7 @@ class TurnPath:
         reply: ReplyConfig,
         metrics: Metrics | None = None,
         commit_delay_s: float = 0.0,
+        submit_concurrency: int = 8,
     ) -> None:
         self._sm = sessionmaker
         self._engine = engine
@@ -122,6 +125,7 @@ class TurnPath:
         self._metrics = metrics
         self._commit_delay_s = commit_delay_s  # test hook (crash tests): see store.add_assistant_message
         self._messages = MessageStore(sessionmaker, context, desk, turns, reply.defaults)
+        self._gate = FairGate(submit_concurrency)  # steps 1-2, fair by tenant (KVCHAT_TURN_SUBMIT_CONCURRENCY)
         self._answerable = Answerable(engine)
         self._streamer = ReplyStreamer(engine, hub, metrics)
         self._tools = ToolTurn(engine, self._streamer, ToolCaller(sessionmaker, reply.tools_allow_private_networks))
@@ -142,8 +146,9 @@ class TurnPath:
 
     async def _submit(self, tenant: Tenant, session_id: str, frame: UserMessage, reply_to: Send) -> None:
         marks = TurnMarks(time.perf_counter())
-        await self._answerable.check(tenant.id, _prefix_text(tenant), frame.text, self.budget)  # 1
-        stored = await self._messages.store(tenant.id, session_id, frame)  # 2
+        async with self._gate.hold(tenant.id):  # NOTE: one tenant's burst must not queue the others' messages
+            await self._answerable.check(tenant.id, _prefix_text(tenant), frame.text, self.budget)  # 1
+            stored = await self._messages.store(tenant.id, session_id, frame)  # 2
         marks.mark("stored")
         message = stored.message
         reply_to(MessageAck(client_msg_id=frame.client_msg_id, seq=message.seq, duplicate=stored.duplicate))  # 3

@@ -193,6 +193,14 @@ class Settings(BaseSettings):
         description="on SIGTERM, replies in flight get this long to finish (still streaming); what is cut off is "
         "stored `incomplete`",
     )
+    turn_submit_concurrency: int = Field(
+        default=8,
+        ge=1,
+        description="customer messages checked and stored at once, all tenants together (a turn's steps 1-2: "
+        "[turn_path](turn_path.md)); the slot that frees goes to the waiting tenant holding the fewest, so one "
+        "tenant's burst does not queue the others' messages. Below the Postgres pool's 10 connections, so a "
+        "message let in finds a connection: the gate, not the pool's first-come queue, decides who goes next",
+    )
     test_commit_delay_seconds: float = Field(
         default=0.0,
         ge=0,
