@@ -108,7 +108,7 @@ def doctor_command(args: argparse.Namespace) -> int:
         print("  ".join(cells), " ", r["why"])
     chunks = {str(d).removeprefix("torch."): kernels.prefill_chunk(d) for d in (torch.float32, torch.bfloat16)}
     shown_chunks = ", ".join(f"{d} {n or 'no cap'}" for d, n in chunks.items())
-    print(f"\nprefill tokens of a step beside other requests (EngineConfig.long_prefill_chunk=None): {shown_chunks}")
+    print(f"\nprefill chunk of a step beside other requests (EngineConfig.long_prefill_chunk=None): {shown_chunks}")
     return 0
 
 

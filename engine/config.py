@@ -23,8 +23,9 @@ class EngineConfig:
     # NOTE: 2048, not 1024: a cold 2000-token prompt prefills in one chunk — 1374 vs 1041 tok/s measured (SmolLM2,
     # bf16, 2 threads); the price is that decodes of other sequences wait up to one such chunk (~1.5 s here).
     max_num_batched_tokens: int = 2048
-    # While other requests are in flight, a step prefills at most this many tokens in all (None: the CPU
-    # kind's, engine.model.kernels.prefill_chunk; 0: no cap). Alone, a prompt takes the whole max_num_batched_tokens.
+    # While other requests are in flight, a prefill chunk takes at most this many tokens of a step, and while other
+    # tenants' are, the step's prefill in all (None: the CPU kind's, engine.model.kernels.prefill_chunk; 0: no cap).
+    # Alone, a prompt takes the whole max_num_batched_tokens.
     long_prefill_chunk: int | None = None
     max_waiting: int = 256
     max_model_len: int | None = None  # defaults to the model's context length

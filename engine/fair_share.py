@@ -69,6 +69,11 @@ class VirtualCounters(Generic[K]):
     def is_active(self, key: K) -> bool:
         return key in self._active
 
+    @property
+    def num_active(self) -> int:
+        """Keys with a request in the scheduler."""
+        return len(self._active)
+
     def enter(self, key: K, weight: float = 1.0) -> None:
         """A request of ``key`` joins. A key that was idle is lifted to the virtual time first."""
         self._weights[key] = weight

@@ -5,13 +5,13 @@ One ``schedule()`` call plans one model step:
 1. running sequences that decode (one token each, plus the draft tokens the cost model lets it verify: engine.spec),
    oldest admission first;
 2. the step's prefill: running sequences still prefilling (a chunk each) and waiting sequences (admitted while
-   ``max_num_seqs`` and the pool allow), one list in fair order (below), within the step's prefill budget.
+   ``max_num_seqs`` and the pool allow), in fair order (below), within the step's prefill budget.
 
 Fair share (``engine.fair_share``, VTC): every tenant has a virtual token counter that grows with the tokens
 planned for it (prefill chunks and decodes; prefix-cache hits are free) divided by its weight. The step's prefill
-goes first to the sequence, running or waiting, of the tenant with the smallest counter (inside it, of the session
-with the smallest counter; a running one before a waiting one on a tie; among waiting ones of a session the oldest),
-so one tenant's burst, admitted or queued, cannot hold another's reply. A tenant back from idle is lifted to the
+goes first to the sequence, running or waiting, of the tenant with the smallest counter (inside a tenant, its running
+prefills first, then the waiting sequence of the session with the smallest counter, then the oldest), so one
+tenant's burst, admitted or queued, cannot hold another's reply. A tenant back from idle is lifted to the
 smallest active counter: idling banks no credit. Alone, a tenant gets the whole engine. Scheduling decides only when
 a token is computed, never its value.
 
@@ -20,11 +20,12 @@ of the tenant that holds the most slots, beyond its even share, is preempted for
 burst admitted together finishes together, and the next tenant waits for the whole burst's replies, however small
 its counter.
 
-While other sequences are in flight, the step's prefill takes at most ``long_prefill_chunk`` tokens in all (alone, a
-prompt takes the whole budget): a step then costs about one such chunk (~200 ms on the kinds measured) plus its
-decodes, so a decode, or a new turn of a tenant with a smaller counter, waits behind at most one such step, not
-behind a whole budget's worth of other prompts (a burst of 60 new turns planned 2,048 prefill tokens a step: ~4 s
-on 2 AVX2 cores).
+While other sequences are in flight, a prefill chunk takes at most ``long_prefill_chunk`` tokens of the step (alone,
+a prompt takes the whole budget): a long cold prompt then advances a chunk a step beside the others. While more than
+one tenant has requests in flight, the step's prefill takes at most that many tokens in all: a step then costs about
+one chunk (~200 ms on the kinds measured) plus its decodes, so a new turn of a tenant with a smaller counter waits
+behind at most one such step, not behind a budget's worth of another tenant's prompts (a burst of 60 new turns
+planned 2,048 prefill tokens a step: ~4 s on 2 AVX2 cores).
 
 When the pool runs out for a running sequence, the most recently admitted running sequence is preempted: its blocks
 are freed and it goes back to the front of the waiting queue, to be recomputed later (its published blocks usually
@@ -55,8 +56,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_waiting: int = 256
     block_size: int = 16
-    # NOTE: the most prefill tokens of a step that has other sequences in flight (0: no cap, the budget). The
-    # engine sets it per CPU kind and dtype (engine.model.kernels.prefill_chunk): a chunk a step costs ~200 ms there.
+    # NOTE: the longest prefill chunk of a step that has other sequences in flight, and the step's prefill in all
+    # while several tenants have (0: no cap, the budget). The engine sets it per CPU kind and dtype
+    # (engine.model.kernels.prefill_chunk): such a chunk costs ~200 ms there.
     long_prefill_chunk: int = 0
     # NOTE: a constant retry hint: the queue drains at a rate that depends on prompt and output lengths the caller
     # cannot see, and a constant is honest and predictable; clients add their own jitter.
@@ -225,17 +227,17 @@ class Scheduler:
 
     def _next_waiting(self) -> Sequence | None:
         """The waiting sequence to admit next: smallest tenant counter; inside the tenant, a preempted sequence first
-        (its reply stalled mid-stream), then the session with the smallest counter, then the shortest, then the
-        oldest (the front of the queue, where a preempted sequence goes back).
+        (its reply stalled mid-stream), then the session with the smallest counter, then the oldest (the front of
+        the queue, where a preempted sequence goes back).
 
         NOTE: a sequence whose prefix is still loading from disk is passed over, not waited for.
         """
         ready = (seq for seq in self.waiting if not seq.loading)
         return min(ready, key=self._rank, default=None)
 
-    def _rank(self, seq: Sequence) -> tuple[float, bool, float, int]:
+    def _rank(self, seq: Sequence) -> tuple[float, bool, float]:
         tenant, session = self.fair.rank(seq.share, seq.fair_session)
-        return tenant, seq.num_preemptions == 0, session, seq.num_tokens
+        return tenant, seq.num_preemptions == 0, session
 
     def _hand_over_a_slot(self, step: _Step) -> None:
         """All slots are taken: when the fairest waiting sequence's tenant has none, preempt the newest running
@@ -278,13 +280,7 @@ class Scheduler:
     def _schedule_prefills(self, step: _Step) -> None:
         """The step's prefill budget, to running prefills and the next waiting sequence (the fairest:
         ``_next_waiting``) in one order: the smallest tenant counter first (it grows as the step plans); inside a
-        tenant, the fewest prompt tokens left to compute first, a running one first on a tie.
-
-        NOTE: why the tokens left, not the session counters, inside a tenant: a session's counter grows with each
-        chunk of its own prompt, so sessions that arrived together would take turns a chunk each and all finish
-        their prompts at the end (each first token as late as the last one's); fewest-left-first prefills them in
-        turn, and still puts a new turn's short prompt before the rest of a long cold one. Which waiting sequence
-        competes is still chosen by session counter, so one session's burst does not hold another session's turn.
+        tenant, its running prefills (by session counter) before its next admission, as when one tenant is alone.
 
         NOTE: no admission in a step that preempted: the pool is already short, a new sequence would only be
         preempted in turn (the same rule as vLLM); nor after the fairest waiting one found no blocks: nobody
@@ -292,15 +288,15 @@ class Scheduler:
         admitting = True
         while self._room(step):
             running = [s for s in self.running if s.request_id not in step.scheduled and _prefills(s)]
-            run = min(running, key=self._prefill_rank, default=None)
+            run = min(running, key=lambda s: self._prefill_rank(s, False), default=None)
             room = admitting and not step.preempted and len(self.running) < self.config.max_num_seqs
             wait = self._next_waiting() if room else None
-            if wait is not None and (run is None or self._prefill_rank(wait) < self._prefill_rank(run)):
+            if wait is not None and (run is None or self._prefill_rank(wait, True) < self._prefill_rank(run, False)):
                 admitting = self._admit(wait, step)
                 continue
             if run is None:
                 return
-            num_new = min(run.num_tokens - run.num_computed_tokens, step.budget, step.prefill)
+            num_new = min(run.num_tokens - run.num_computed_tokens, step.budget, step.prefill, self._chunk_cap())
             if self._reserve(run, num_new, step):
                 self._plan(run, num_new, step, prefill=True)
             else:
@@ -309,17 +305,28 @@ class Scheduler:
     def _room(self, step: _Step) -> bool:
         return step.budget > 0 and step.prefill > 0
 
-    def _prefill_rank(self, seq: Sequence) -> tuple[float, int]:
-        """Tenant counter, then prompt tokens left (a waiting sequence's prefix hit is not known before its match:
-        counted as left, so it goes behind a running prefill with as many left)."""
-        return self.fair.tenants.counter(seq.share.tenant), seq.num_tokens - seq.num_computed_tokens
+    def _prefill_rank(self, seq: Sequence, waiting: bool) -> tuple[float, bool, float]:
+        tenant, session = self.fair.rank(seq.share, seq.fair_session)
+        return tenant, waiting, session
 
-    def _prefill_budget(self) -> int:
-        """The most prefill tokens this step plans: ``long_prefill_chunk`` while another sequence is in flight
-        (running or waiting), else no cap (the step budget bounds it)."""
+    def _chunk_cap(self) -> int:
+        """The most tokens one prefill chunk may take now: ``long_prefill_chunk`` while another sequence is in
+        flight (running or waiting), else no cap (the step budget bounds it)."""
         cap = self.config.long_prefill_chunk
         alone = len(self.running) + len(self.waiting) <= 1
         return self.config.max_num_batched_tokens if alone or cap == 0 else cap
+
+    def _prefill_budget(self) -> int:
+        """The most prefill tokens this step plans: ``long_prefill_chunk`` while more than one tenant has a request
+        in flight, else no cap beyond the chunk's (the step budget bounds it).
+
+        NOTE: why only then. The cap bounds a step (~200 ms of prefill plus its decodes on the kinds measured) so
+        that another tenant's new turn waits behind one such step, not behind a whole budget of someone else's
+        prompts. A tenant alone keeps big steps: 16 sessions arriving together on 2 AVX2 cores lost 10-40 % of
+        their tokens/s with every step capped (the decodes then start one prompt at a time and ride small steps)."""
+        cap = self.config.long_prefill_chunk
+        shared = self.fair.tenants.num_active > 1
+        return cap if shared and cap else self.config.max_num_batched_tokens
 
     def _drafts_per_seq(self) -> int:
         """The most draft tokens each decoding sequence may verify this step (the cost model's word)."""
@@ -359,7 +366,7 @@ class Scheduler:
             match = MatchResult(num_query_tokens=seq.num_tokens)
         else:
             match = self.kv.match_prefix(seq.root, seq.all_token_ids)
-        num_new = min(seq.num_tokens - match.num_cached_tokens, step.budget, step.prefill)
+        num_new = min(seq.num_tokens - match.num_cached_tokens, step.budget, step.prefill, self._chunk_cap())
         if not self.kv.allocate_slots(seq.request_id, match.num_cached_tokens + num_new, match, seq.spans):
             if self.running:
                 return False  # the fairest waits for blocks; nobody overtakes it (else a long prompt could starve)

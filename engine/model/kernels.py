@@ -98,11 +98,12 @@ TORCH_DTYPES = {F32, BF16, torch.float16}
 # 2-8 % at 1024 and by ~30 % from 1536: from 1024 it wins at every size measured.
 WIDE_ROWS = 1024
 
-# NOTE: the most prefill tokens of a step while other requests are in flight (``SchedulerConfig.long_prefill_chunk``)
-# by CPU kind and dtype: about 200 ms of prefill there (Zen 5, SmolLM2: 512 rows 211 ms in bf16, 256 rows ~200 ms in
-# fp32; bench.roofline; Zen 3 AVX2, fp32: 96 rows 200 ms, 128 rows 230-260 ms, 31 decodes + 96 rows ~300 ms), so a
-# new turn or a decode waits behind one such step, not behind a whole 2048-token step (~1.2 s in bf16, ~4 s in fp32
-# on AVX2). A prompt alone still takes the whole budget. Kinds not listed were not measured with it and keep no cap.
+# NOTE: the longest prefill chunk of a step while other requests are in flight, and a step's prefill in all while
+# several tenants have requests in flight (``SchedulerConfig.long_prefill_chunk``), by CPU kind and dtype: about
+# 200 ms of prefill there (Zen 5, SmolLM2: 512 rows 211 ms in bf16, 256 rows ~200 ms in fp32; bench.roofline; Zen 3
+# AVX2, fp32: 96 rows 200 ms, 128 rows 230-260 ms, 31 decodes + 96 rows ~300 ms), so a new turn or a decode waits
+# behind one such chunk, not behind a whole 2048-token step (~1.2 s in bf16, ~4 s in fp32 on AVX2). A prompt alone
+# still takes the whole budget. Kinds not listed were not measured with it and keep no cap.
 PREFILL_CHUNKS: dict[tuple[str, torch.dtype], int] = {
     ("AVX-512 + AVX512-BF16", BF16): 512,
     ("AVX-512 + AVX512-BF16", F32): 256,
@@ -307,7 +308,7 @@ def linear_plan(layout: Layout, dtype: torch.dtype) -> tuple[tuple[Impl, ctypes.
 
 
 def prefill_chunk(dtype: torch.dtype, device: str = "cpu", flags: frozenset[str] | None = None) -> int:
-    """The most prefill tokens of a step beside other requests for this CPU kind and dtype (0: no cap)."""
+    """The longest prefill chunk of a step beside other requests for this CPU kind and dtype (0: no cap)."""
     return PREFILL_CHUNKS.get((cpu_kind(flags), dtype), 0) if device == "cpu" else 0
 
 

@@ -258,8 +258,8 @@ async def test_a_step_failing_for_every_request_fails_each_alone_and_the_engine_
             [error] = sink.events
             assert type(error) is RequestFailed
             assert str(error) == "internal engine error (see the server log)"
-        # The batch failed, then each request failed alone (the shorter prompt, in-flight-1, is planned first).
-        assert faults.forward_batches == [("in-flight-1", "in-flight-0"), ("in-flight-1",), ("in-flight-0",)]
+        # The batch failed, then each request failed alone.
+        assert faults.forward_batches == [("in-flight-0", "in-flight-1"), ("in-flight-0",), ("in-flight-1",)]
         stats = engine.stats()
         assert (stats.running, stats.waiting, stats.kv.num_used_blocks, stats.requests_finished) == (0, 0, 0, 0)
         await assert_serves(engine, probe_tokens)

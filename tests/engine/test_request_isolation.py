@@ -131,15 +131,14 @@ def test_a_failing_forward_is_bisected_down_to_the_culprit(tiny_model_dir: Path)
     engine = loaded(tiny_model_dir)
     faults = Faults(forward_requests={"poison"}).install(engine)
     run_batch(engine, {"a": INNOCENT["a"], "poison": POISONED, "b": INNOCENT["b"], "c": INNOCENT["c"]})
-    # (planned shortest prompt first: b, a, poison, c)
     assert faults.forward_batches[:5] == [
-        ("b", "a", "poison", "c"),  # the whole step fails
-        ("b", "a"),
-        ("poison", "c"),  # the half with the culprit fails
+        ("a", "poison", "b", "c"),  # the whole step fails
+        ("a", "poison"),  # the half with the culprit fails
+        ("a",),
         ("poison",),  # fails alone: failed
-        ("c",),
+        ("b", "c"),
     ]
-    assert faults.forward_batches[5] == ("b", "a", "c")  # the next step: the culprit is gone
+    assert faults.forward_batches[5] == ("a", "b", "c")  # the next step: the culprit is gone
 
 
 def test_the_blocks_of_a_failed_step_are_zeroed_before_they_are_freed(tiny_model_dir: Path) -> None:

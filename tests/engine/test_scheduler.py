@@ -83,30 +83,16 @@ def test_decodes_come_first_then_prefill_within_budget() -> None:
     assert plan(out) == [("a", 6, 1, True), ("b", 7, 7, False)]
 
 
-def test_a_waiting_prompt_shorter_than_a_running_prefills_rest_goes_first() -> None:
+def test_running_prefill_continues_before_new_admission() -> None:
     sched = make(budget=10)
-    sched.add(seq("a", 16))
+    a, b = seq("a", 16), seq("b", 4, start=100)
+    sched.add(a)
+    sched.add(b)
     assert plan(step(sched)) == [("a", 0, 10, False)]
-    sched.add(seq("b", 4, start=100))
-    # b has 4 tokens to compute, a 6 more: b's prefill first, a's chunk in what is left
-    assert plan(step(sched)) == [("b", 0, 4, True), ("a", 10, 6, True)]
+    assert sched.num_waiting == 1
+    assert plan(step(sched)) == [("a", 10, 6, True), ("b", 0, 4, True)]
     assert sched.num_waiting == 0
     assert sched.num_running == 2
-
-
-def test_of_prompts_that_arrive_together_the_shortest_goes_first() -> None:
-    sched = make(budget=10)
-    sched.add(seq("a", 16))
-    sched.add(seq("b", 4, start=100))
-    assert plan(step(sched)) == [("b", 0, 4, True), ("a", 0, 6, False)]
-
-
-def test_a_running_prefill_goes_first_on_a_tie() -> None:
-    sched = make(budget=10)
-    sched.add(seq("a", 14))
-    step(sched)
-    sched.add(seq("b", 4, start=100))  # as many tokens left as a
-    assert plan(step(sched)) == [("a", 10, 4, True), ("b", 0, 4, True)]
 
 
 def test_max_num_seqs_limits_admission() -> None:
@@ -324,7 +310,7 @@ def test_scheduler_config_validation() -> None:
         Scheduler(SchedulerConfig(block_size=16), KVCacheManager(4, block_size=8))
 
 
-def test_a_long_prefill_takes_the_whole_budget_alone_and_the_step_is_capped_beside_others() -> None:
+def test_a_long_prefill_takes_the_whole_budget_alone_and_a_capped_chunk_beside_others() -> None:
     config = SchedulerConfig(
         max_num_seqs=8, max_num_batched_tokens=64, max_waiting=8, block_size=4, long_prefill_chunk=16
     )
@@ -332,18 +318,17 @@ def test_a_long_prefill_takes_the_whole_budget_alone_and_the_step_is_capped_besi
     sched.add(seq("long", 150))
     assert plan(step(sched)) == [("long", 0, 64, False)]  # alone: the whole budget
     sched.add(seq("short", 10, start=500))
-    # beside a newcomer, the step's prefill is 16 tokens in all: the newcomer's short prompt first (10 tokens left
-    # against 86), the long one's chunk in what is left
-    assert plan(step(sched)) == [("short", 0, 10, True), ("long", 64, 6, False)]
-    assert plan(step(sched)) == [("short", 10, 1, True), ("long", 70, 16, False)]
+    # beside a newcomer: a chunk of 16, and the newcomer's prefill in the same step (it is short: not capped)
+    assert plan(step(sched)) == [("long", 64, 16, False), ("short", 0, 10, True)]
+    assert plan(step(sched)) == [("short", 10, 1, True), ("long", 80, 16, False)]
 
 
-def test_without_a_cap_a_newcomers_short_prompt_goes_before_the_rest_of_a_long_one() -> None:
+def test_without_a_cap_a_long_prefill_takes_what_the_budget_leaves() -> None:
     sched = make(budget=64)
     sched.add(seq("long", 150))
     step(sched)
     sched.add(seq("short", 10, start=500))
-    assert plan(step(sched)) == [("short", 0, 10, True), ("long", 64, 54, False)]
+    assert plan(step(sched)) == [("long", 64, 64, False)]  # (the newcomer waits for the next step)
 
 
 def test_the_chunk_cap_must_not_be_negative() -> None:
