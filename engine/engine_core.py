@@ -246,7 +246,8 @@ class EngineCore:
         if drafter is None:
             return
         limit, decoding = self.scheduler.draft_limit, self.scheduler.num_running
-        pays = limit is not None and limit(decoding) > 0
+        # NOTE: no tree lookups for a step that will not verify them (a prompt waits or prefills: Scheduler)
+        pays = limit is not None and limit(decoding) > 0 and self.scheduler.drafts_wanted()
         for seq in seqs:
             seq.draft_token_ids = []
             rid = seq.request_id

@@ -74,3 +74,18 @@ def test_drafts_never_preempt_a_neighbour() -> None:
     assert [(i.seq.request_id, i.drafts) for i in out.scheduled] == [("a", ()), ("b", ())]  # 3 more were needed
     assert out.preempted == []
     assert b.status is a.status
+
+
+def test_no_drafts_while_a_prompt_waits_or_prefills() -> None:
+    sched = Scheduler(SchedulerConfig(8, 8, 8, 4), KVCacheManager(64, 4), lambda decoding: 4)
+    (a,) = running(sched, ("a", 6))
+    sched.add(Sequence("b", list(range(300, 320)), SamplingParams(), ROOT))  # 20 tokens: 3 steps at a budget of 8
+    for _ in range(3):
+        a.draft_token_ids = [7, 8, 9]
+        out = sched.schedule()
+        assert [i.drafts for i in out.scheduled if i.seq is a] == [()]  # b's prompt is still being computed
+        sched.update_after_step(out)
+        a.append_token(1)
+    a.draft_token_ids = [7, 8, 9]
+    [item] = [i for i in sched.schedule().scheduled if i.seq is a]
+    assert item.drafts == (7, 8, 9)  # b decodes too now: the drafts ride again
