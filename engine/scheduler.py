@@ -124,7 +124,7 @@ class _Step:
     budget: int
     prefill: int  # prefill tokens the step may still plan (``Scheduler._prefill_budget``)
     scheduled: dict[str, ScheduledSeq] = field(default_factory=dict)
-    prefills: dict[str, int] = field(default_factory=dict)  # prefill chunks planned, by request id
+    prefills: set[str] = field(default_factory=set)  # the request ids whose planned chunk is a prefill
     preempted: list[Sequence] = field(default_factory=list)
     rejected: list[Sequence] = field(default_factory=list)
 
@@ -341,7 +341,7 @@ class Scheduler:
         mean +16 % with drafts, for the same tokens/s), a cost the per-sequence model does not see."""
         if self.draft_limit is None or not self.drafts_wanted():
             return 0
-        decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+        decoding = sum(1 for s in self.running if _decodes(s))
         return self.draft_limit(decoding)
 
     def _drafts(self, seq: Sequence, per_seq: int, step: _Step) -> tuple[int, ...]:
@@ -406,7 +406,7 @@ class Scheduler:
         step.budget -= num_new
         if prefill:
             step.prefill -= num_new
-            step.prefills[seq.request_id] = num_new
+            step.prefills.add(seq.request_id)
         # NOTE: billed when planned, not after the step: the next pick of this same step must see it.
         self.fair.charge(seq.share, seq.fair_session, num_new)
 
@@ -416,7 +416,8 @@ class Scheduler:
         planned = step.scheduled.pop(seq.request_id, None)
         if planned is not None:  # NOTE: it was planned earlier in this step; give its tokens back to the budget
             step.budget += planned.num_new_tokens
-            step.prefill += step.prefills.pop(seq.request_id, 0)
+            if seq.request_id in step.prefills:
+                step.prefill += planned.num_new_tokens
             self.fair.charge(seq.share, seq.fair_session, -planned.num_new_tokens)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0

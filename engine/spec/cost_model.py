@@ -53,7 +53,7 @@ class DraftCostModel:
 
     def row_cost(self, decoding: int) -> float:
         """What one draft row adds to a step of ``decoding`` sequences."""
-        return self.row_ms if isinstance(self.row_ms, float) else _interpolate(self.row_ms, decoding)
+        return _interpolate(self.row_ms, decoding) if isinstance(self.row_ms, tuple) else self.row_ms
 
     def gain(self, decoding: int, chances: Sequence[float]) -> float:
         """Tokens per millisecond of a sequence verifying a draft whose first ``i`` tokens all pass with chance

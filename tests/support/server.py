@@ -15,7 +15,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from backend.core.config import Settings
 from backend.db.engine import create_db_engine, create_sessionmaker
+from backend.domain import KeyKind
 from backend.main import create_app
+from backend.services.tenants import add_key, create_tenant
 from engine.llm_engine import LLMEngine
 
 CHAT_TOKEN = "test-chat-token"
@@ -99,3 +101,12 @@ async def db_session(live: LiveServer) -> AsyncIterator[AsyncSession]:
             yield session
     finally:
         await engine.dispose()
+
+
+async def add_chat_tenant(live: LiveServer, name: str, key: str) -> str:
+    """A second tenant with a chat key, stored the way the admin CLI stores it; returns its id."""
+    async with db_session(live) as db:
+        tenant = await create_tenant(db, name)
+        await add_key(db, tenant.id, KeyKind.CHAT, key)
+        await db.commit()
+        return tenant.id

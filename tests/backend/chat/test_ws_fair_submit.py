@@ -20,10 +20,8 @@ from test_ws_chat import TIMEOUT, Chat
 from backend.chat.message_store import MessageStore, Stored
 from backend.chat.protocol import UserMessage
 from backend.core.fair_gate import FairGate
-from backend.domain import KeyKind
-from backend.services.tenants import add_key, create_tenant
 from engine.llm_engine import LLMEngine
-from support.server import LiveServer, db_session, server_settings, serving
+from support.server import LiveServer, add_chat_tenant, server_settings, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -86,11 +84,7 @@ async def _chat(stack: AsyncExitStack, live: LiveServer, token: str | None = Non
 
 
 async def test_tenant_bs_message_is_stored_before_tenant_as_queued_ones(live: LiveServer, gate: Gate) -> None:
-    async with db_session(live) as db:
-        tenant_b = await create_tenant(db, "tenant-b")
-        await add_key(db, tenant_b.id, KeyKind.CHAT, B_KEY)
-        await db.commit()
-    b_id = tenant_b.id
+    b_id = await add_chat_tenant(live, "tenant-b", B_KEY)
     async with AsyncExitStack() as stack:
         a_chats = [await _chat(stack, live) for _ in range(1 + A_QUEUED)]  # (one submit per session at a time)
         b_chat = await _chat(stack, live, B_KEY)

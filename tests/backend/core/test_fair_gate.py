@@ -40,6 +40,12 @@ class Holders:
         await _settle()
 
 
+def assert_empty(gate: FairGate) -> None:
+    """No slot held and nobody waiting: every slot came back."""
+    assert gate.held() == {}
+    assert gate.waiting() == {}
+
+
 async def _settle() -> None:
     """Let every ready task run until it waits again."""
     for _ in range(5):
@@ -59,8 +65,7 @@ async def test_capacity_is_honoured() -> None:
     assert holders.entered == ["t0", "t1", "t2", "t3"]
     for name in ("t0", "t2", "t3", "t4"):
         await holders.release(name)
-    assert gate.held() == {}
-    assert gate.waiting() == {}
+    assert_empty(gate)
 
 
 async def test_a_lone_owner_takes_every_slot_at_once() -> None:
@@ -99,8 +104,7 @@ async def test_a_newcomer_gets_the_next_freed_slot_before_a_bursts_queue() -> No
     assert holders.entered[6:] == ["a5"]
     for name in [f"a{i}" for i in range(2, 24)]:
         await holders.release(name)
-    assert gate.held() == {}
-    assert gate.waiting() == {}
+    assert_empty(gate)
 
 
 async def test_a_freed_slot_goes_to_the_waiting_owner_holding_fewest() -> None:
@@ -147,8 +151,7 @@ async def test_owners_holding_as_few_take_turns_the_longest_waiting_first() -> N
     await holders.release("c0")
     await holders.release("b1")
     assert holders.entered == ["x0", "b0", "c0", "b1"]
-    assert gate.held() == {}
-    assert gate.waiting() == {}
+    assert_empty(gate)
 
 
 async def test_a_waiter_cancelled_before_its_grant_leaks_no_slot() -> None:
@@ -166,8 +169,7 @@ async def test_a_waiter_cancelled_before_its_grant_leaks_no_slot() -> None:
     await holders.release("a0")
     assert holders.entered == ["a0", "c0"]
     await holders.release("c0")
-    assert gate.held() == {}
-    assert gate.waiting() == {}
+    assert_empty(gate)
 
 
 async def test_a_waiter_cancelled_after_its_grant_before_it_ran_passes_the_slot_on() -> None:
@@ -185,8 +187,7 @@ async def test_a_waiter_cancelled_after_its_grant_before_it_ran_passes_the_slot_
     assert holders.entered == ["c0"]
     assert gate.held() == {"c": 1}
     await holders.release("c0")
-    assert gate.held() == {}
-    assert gate.waiting() == {}
+    assert_empty(gate)
 
 
 async def test_a_cancelled_waiter_whose_task_has_not_run_is_skipped() -> None:
@@ -202,8 +203,7 @@ async def test_a_cancelled_waiter_whose_task_has_not_run_is_skipped() -> None:
     assert cancelled.cancelled()
     assert holders.entered == ["b1"]
     await holders.release("b1")
-    assert gate.held() == {}
-    assert gate.waiting() == {}
+    assert_empty(gate)
 
 
 async def test_an_exception_in_the_block_releases_the_slot() -> None:

@@ -14,8 +14,6 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from backend.domain import KeyKind
-from backend.services.tenants import add_key, create_tenant
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestFinished
@@ -24,7 +22,7 @@ from support.server import (
     ADMIN_KEY,
     CHAT_TOKEN,
     LiveServer,
-    db_session,
+    add_chat_tenant,
     server_settings,
     serving,
     start_server,
@@ -68,14 +66,6 @@ async def _direct(engine: LLMEngine, messages: list[dict[str, str]], max_tokens:
     last = events[-1]
     assert isinstance(last, RequestFinished)
     return last
-
-
-async def _second_tenant(live: LiveServer, key: str) -> str:
-    async with db_session(live) as db:
-        tenant = await create_tenant(db, "acme")
-        await add_key(db, tenant.id, KeyKind.CHAT, key)
-        await db.commit()
-        return tenant.id
 
 
 async def test_openai_client_non_streaming_and_streaming_match_the_engine(
@@ -142,7 +132,7 @@ async def test_a_growing_conversation_gets_prefix_hits(client: AsyncOpenAI, tiny
 
 
 async def test_two_tenants_never_share_cached_tokens(live: LiveServer, client: AsyncOpenAI) -> None:
-    await _second_tenant(live, "acme-chat-token")
+    await add_chat_tenant(live, "acme", "acme-chat-token")
 
     async def cached(c: AsyncOpenAI) -> int:
         reply = await c.chat.completions.create(model="default", messages=CONVERSATION, max_tokens=4)  # type: ignore[arg-type]
