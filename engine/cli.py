@@ -109,6 +109,8 @@ def doctor_command(args: argparse.Namespace) -> int:
     chunks = {str(d).removeprefix("torch."): kernels.prefill_chunk(d) for d in (torch.float32, torch.bfloat16)}
     shown_chunks = ", ".join(f"{d} {n or 'no cap'}" for d, n in chunks.items())
     print(f"\nprefill chunk of a step beside other requests (EngineConfig.long_prefill_chunk=None): {shown_chunks}")
+    lone = ", ".join(f"{d} {kernels.caps_lone_steps(getattr(torch, d))}" for d in chunks)
+    print(f"a lone tenant's step prefill capped at that chunk too (EngineConfig.cap_lone_steps=None): {lone}")
     return 0
 
 

@@ -27,6 +27,9 @@ class EngineConfig:
     # tenants' are, the step's prefill in all (None: the CPU kind's, engine.model.kernels.prefill_chunk; 0: no cap).
     # Alone, a prompt takes the whole max_num_batched_tokens.
     long_prefill_chunk: int | None = None
+    # Whether the step's prefill in all stays within long_prefill_chunk while one tenant alone has several requests in
+    # flight too (None: the CPU kind's, engine.model.kernels.caps_lone_steps).
+    cap_lone_steps: bool | None = None
     max_waiting: int = 256
     max_model_len: int | None = None  # defaults to the model's context length
     enable_prefix_caching: bool = True

@@ -93,9 +93,11 @@ class EngineCore:
 
         chunk = config.long_prefill_chunk
         chunk = kernels.prefill_chunk(runner.dtype, runner.device.type) if chunk is None else chunk
+        lone = config.cap_lone_steps
+        lone = kernels.caps_lone_steps(runner.dtype, runner.device.type) if lone is None else lone
         drafter = _speculation(config, runner)
         draft_limit = drafter.cost.limit if drafter is not None and drafter.cost is not None else None
-        scheduler = Scheduler(SchedulerConfig.from_engine_config(config, chunk), kv, draft_limit)
+        scheduler = Scheduler(SchedulerConfig.from_engine_config(config, chunk, lone), kv, draft_limit)
         cache = CacheControl(kv, info.fingerprint, config.cache_settings, lock, lambda: table.seqs())
         table = RequestTable(scheduler, cache, info.max_model_len)
         grammar = GrammarCompiler(tokenizer.hf, info.vocab_size, tokenizer.eos_token_ids)

@@ -25,7 +25,10 @@ a prompt takes the whole budget): a long cold prompt then advances a chunk a ste
 one tenant has requests in flight, the step's prefill takes at most that many tokens in all: a step then costs about
 one chunk (~200 ms on the kinds measured) plus its decodes, so a new turn of a tenant with a smaller counter waits
 behind at most one such step, not behind a budget's worth of another tenant's prompts (a burst of 60 new turns
-planned 2,048 prefill tokens a step: ~4 s on 2 AVX2 cores).
+planned 2,048 prefill tokens a step: ~4 s on 2 AVX2 cores). Where the CPU kind's table says so
+(``cap_lone_steps``), the same holds for a tenant alone with several requests in flight: a burst's prompts then
+finish one chunk's worth at a time instead of all at the end of one long step, and the later ones find a shared
+prefix in the blocks the first published.
 
 When the pool runs out for a running sequence, the most recently admitted running sequence is preempted: its blocks
 are freed and it goes back to the front of the waiting queue, to be recomputed later (its published blocks usually
@@ -60,6 +63,9 @@ class SchedulerConfig:
     # while several tenants have (0: no cap, the budget). The engine sets it per CPU kind and dtype
     # (engine.model.kernels.prefill_chunk): such a chunk costs ~200 ms there.
     long_prefill_chunk: int = 0
+    # NOTE: whether the step's prefill in all stays within ``long_prefill_chunk`` while one tenant alone has several
+    # sequences in flight too (engine.model.kernels.caps_lone_steps: the kinds where that was measured to pay).
+    cap_lone_steps: bool = False
     # NOTE: a constant retry hint: the queue drains at a rate that depends on prompt and output lengths the caller
     # cannot see, and a constant is honest and predictable; clients add their own jitter.
     retry_after_s: float = 1.0
@@ -78,10 +84,12 @@ class SchedulerConfig:
                 raise InvalidRequestError(f"invalid scheduler config: {name}={getattr(self, name)!r}")
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig, long_prefill_chunk: int = 0) -> SchedulerConfig:
-        """The scheduler's part of ``config``; ``long_prefill_chunk`` as resolved for this machine (see the field)."""
+    def from_engine_config(
+        cls, config: EngineConfig, long_prefill_chunk: int = 0, cap_lone_steps: bool = False
+    ) -> SchedulerConfig:
+        """The scheduler's part of ``config``; the chunk and ``cap_lone_steps`` as resolved for this machine."""
         blocks = (config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting, config.block_size)
-        return cls(*blocks, long_prefill_chunk=long_prefill_chunk)
+        return cls(*blocks, long_prefill_chunk=long_prefill_chunk, cap_lone_steps=cap_lone_steps)
 
 
 @dataclass(slots=True)
@@ -318,15 +326,19 @@ class Scheduler:
 
     def _prefill_budget(self) -> int:
         """The most prefill tokens this step plans: ``long_prefill_chunk`` while more than one tenant has a request
-        in flight, else no cap beyond the chunk's (the step budget bounds it).
+        in flight, and where ``cap_lone_steps``, while one tenant alone has several; else no cap beyond the chunk's
+        (the step budget bounds it).
 
-        NOTE: why only then. The cap bounds a step (~200 ms of prefill plus its decodes on the kinds measured) so
-        that another tenant's new turn waits behind one such step, not behind a whole budget of someone else's
-        prompts. A tenant alone keeps big steps: 16 sessions arriving together on 2 AVX2 cores lost 10-40 % of
-        their tokens/s with every step capped (the decodes then start one prompt at a time and ride small steps)."""
+        NOTE: the cap bounds a step (~200 ms of prefill plus its decodes on the kinds measured) so that another
+        tenant's new turn waits behind one such step, not behind a whole budget of someone else's prompts. For a
+        tenant alone it makes a burst's prompts finish a chunk at a time, not all at the end of one long step: on
+        Zen 4 the mean first token of 16 sessions arriving at once came 1.6-2x sooner (``cap_lone_steps``). On AVX2
+        a lone tenant keeps big steps: with every step capped at its 96-token chunk, 16 sessions arriving together
+        lost 10-40 % of their decode tokens/s."""
         cap = self.config.long_prefill_chunk
         shared = self.fair.tenants.num_active > 1
-        return cap if shared and cap else self.config.max_num_batched_tokens
+        several = self.config.cap_lone_steps and len(self.running) + len(self.waiting) > 1
+        return cap if (shared or several) and cap else self.config.max_num_batched_tokens
 
     def drafts_wanted(self) -> bool:
         """Whether the next step may verify drafts at all: no prompt waits or prefills (``_drafts_per_seq``)."""

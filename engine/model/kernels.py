@@ -109,6 +109,15 @@ PREFILL_CHUNKS: dict[tuple[str, torch.dtype], int] = {
     ("AVX-512 + AVX512-BF16", F32): 256,
     ("AVX2 + FMA", F32): 96,
 }
+# NOTE: the kinds and dtypes where a step's prefill in all is capped at that chunk whenever several requests are in
+# flight, a tenant alone too. Zen 4 (16 sessions arriving at once, 6 turns, bench.run --arrival burst, alternating):
+# a burst's prompts then finish a chunk's worth at a time instead of all at the end of one ~1.3 s (bf16) or ~2.1 s
+# (fp32) step, and the later prompts find a cold shared prefix in the blocks the first published; the price is one
+# weight stream per extra step (~7 ms in bf16, ~13 ms in fp32 at ~200 ms steps). AVX2's 96-token chunk was tried for
+# a lone tenant and lost 10-40 % of the decode tokens/s at 16 sessions (docs/benchmarks.md): not there.
+LONE_STEP_CAPPED: frozenset[tuple[str, torch.dtype]] = frozenset(
+    {("AVX-512 + AVX512-BF16", BF16), ("AVX-512 + AVX512-BF16", F32)}
+)
 
 TABLE: tuple[Impl, ...] = (
     # --- linear: the weight layout is chosen at load; then the row count picks the kernel that reads it
@@ -310,6 +319,11 @@ def linear_plan(layout: Layout, dtype: torch.dtype) -> tuple[tuple[Impl, ctypes.
 def prefill_chunk(dtype: torch.dtype, device: str = "cpu", flags: frozenset[str] | None = None) -> int:
     """The longest prefill chunk of a step beside other requests for this CPU kind and dtype (0: no cap)."""
     return PREFILL_CHUNKS.get((cpu_kind(flags), dtype), 0) if device == "cpu" else 0
+
+
+def caps_lone_steps(dtype: torch.dtype, device: str = "cpu", flags: frozenset[str] | None = None) -> bool:
+    """Whether a tenant alone has its step's prefill capped at ``prefill_chunk`` too here (``LONE_STEP_CAPPED``)."""
+    return device == "cpu" and (cpu_kind(flags), dtype) in LONE_STEP_CAPPED
 
 
 def row_limit(name: str, dtype: torch.dtype) -> int:

@@ -174,8 +174,8 @@ def test_preemption_gives_back_the_planned_tokens() -> None:
     assert (sched.fair.tenants.counter("A"), sched.fair.tenants.counter("B")) == (9.0, 8.0)
 
 
-def capped(max_num_seqs: int = 8, budget: int = 64, chunk: int = 16) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, budget, 128, 4, long_prefill_chunk=chunk)
+def capped(max_num_seqs: int = 8, budget: int = 64, chunk: int = 16, lone: bool = False) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs, budget, 128, 4, long_prefill_chunk=chunk, cap_lone_steps=lone)
     return Scheduler(config, KVCacheManager(256, 4))
 
 
@@ -194,6 +194,22 @@ def test_beside_another_tenant_a_step_prefills_one_chunk_in_all() -> None:
     shared.add(seq("b", "B", n=10))
     # (two tenants: a step costs one chunk of prefill at most, so the other waits behind one such step)
     assert prefilled(shared.schedule()) == 16
+
+
+def test_where_lone_steps_are_capped_a_burst_finishes_its_prompts_a_chunk_at_a_time() -> None:
+    sched = capped(budget=64, chunk=16, lone=True)
+    for i in range(6):
+        sched.add(seq(f"a{i}", "A", n=10))
+    first = sched.schedule()
+    assert prefilled(first) == 16
+    # (whole prompts first: one finishes in the first step, the next one's rest in the second)
+    assert [(i.seq.request_id, i.num_new_tokens, i.need_logits) for i in first.scheduled] == [
+        ("a0", 10, True),
+        ("a1", 6, False),
+    ]
+    lone = capped(budget=64, chunk=16, lone=True)
+    lone.add(seq("a0", "A", n=60))
+    assert prefilled(lone.schedule()) == 60  # (a prompt alone still takes the whole budget)
 
 
 def test_a_newcomer_is_planned_beside_another_tenants_running_prefills() -> None:

@@ -188,3 +188,10 @@ def test_the_prefill_chunk_beside_other_requests_is_the_kinds_and_none_where_unm
     assert kernels.prefill_chunk(BF16, flags=zen) == 512 and kernels.prefill_chunk(F32, flags=zen) == 256
     assert kernels.prefill_chunk(BF16, flags=zen | {"amx_bf16", "amx_tile"}) == 0  # (not measured with a cap)
     assert kernels.prefill_chunk(BF16, "cuda", flags=zen) == 0
+
+
+def test_a_lone_tenants_steps_are_capped_only_where_measured_to_pay() -> None:
+    zen = frozenset({"avx2", "fma", "avx512f", "avx512_bf16"})
+    assert kernels.caps_lone_steps(BF16, flags=zen) and kernels.caps_lone_steps(F32, flags=zen)
+    assert not kernels.caps_lone_steps(F32, flags=frozenset({"avx2", "fma"}))  # (AVX2: its chunk cost tokens/s)
+    assert not kernels.caps_lone_steps(BF16, "cuda", flags=zen)
