@@ -334,7 +334,7 @@ class Scheduler:
         tenant alone it makes a burst's prompts finish a chunk at a time, not all at the end of one long step: on
         Zen 4 the mean first token of 16 sessions arriving at once came 1.6-2x sooner (``cap_lone_steps``). On AVX2
         a lone tenant keeps big steps: with every step capped at its 96-token chunk, 16 sessions arriving together
-        lost 10-40 % of their decode tokens/s."""
+        lost 10-40 % of their tokens/s (commit 7d4d562)."""
         cap = self.config.long_prefill_chunk
         shared = self.fair.tenants.num_active > 1
         several = self.config.cap_lone_steps and len(self.running) + len(self.waiting) > 1

@@ -114,7 +114,7 @@ PREFILL_CHUNKS: dict[tuple[str, torch.dtype], int] = {
 # a burst's prompts then finish a chunk's worth at a time instead of all at the end of one ~1.3 s (bf16) or ~2.1 s
 # (fp32) step, and the later prompts find a cold shared prefix in the blocks the first published; the price is one
 # weight stream per extra step (~7 ms in bf16, ~13 ms in fp32 at ~200 ms steps). AVX2's 96-token chunk was tried for
-# a lone tenant and lost 10-40 % of the decode tokens/s at 16 sessions (docs/benchmarks.md): not there.
+# a lone tenant and lost 10-40 % of the tokens/s of 16 sessions arriving together (commit 7d4d562): not there.
 LONE_STEP_CAPPED: frozenset[tuple[str, torch.dtype]] = frozenset(
     {("AVX-512 + AVX512-BF16", BF16), ("AVX-512 + AVX512-BF16", F32)}
 )
