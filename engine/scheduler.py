@@ -209,9 +209,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.config.max_num_batched_tokens, prefill=self._prefill_budget())
         self._schedule_decodes(step)
-        self._schedule_prefills(step)
+        # NOTE: before the step's prefill, not after it: while the slots' holders still prefill, their chunks would
+        # take the step's (capped) prefill first, and the newcomer would wait for all of them to finish.
         if self._room(step) and len(self.running) >= self.config.max_num_seqs and not step.preempted:
             self._hand_over_a_slot(step)
+        self._schedule_prefills(step)
         return SchedulerOutput(list(step.scheduled.values()), step.preempted, step.rejected)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
@@ -265,7 +267,9 @@ class Scheduler:
         # NOTE: "beyond an even share" (at least one slot kept) is what keeps two tenants from taking a slot back and
         # forth: the one that just got its slot holds no more than its share.
         share = max(1.0, self.config.max_num_seqs / (len(held) + 1))
-        if count <= share or counters.counter(tenant) <= counters.counter(seq.share.tenant):
+        # NOTE: a tie hands the slot over: a tenant back from idle is lifted to the holder's counter, and before the
+        # step's prefill is planned the holder's chunks have not been charged yet.
+        if count <= share or counters.counter(tenant) < counters.counter(seq.share.tenant):
             return
         victim = next(s for s in reversed(self.running) if s.share.tenant == tenant)
         self._preempt(victim, step)

@@ -70,6 +70,19 @@ def test_a_tenant_with_nothing_running_takes_a_slot_from_a_burst() -> None:
     assert plan(later[2]) == [("b0", 10, 1), ("a1", 8, 1)]
 
 
+def test_a_newcomer_takes_a_slot_while_the_holders_still_prefill() -> None:
+    sched = capped(max_num_seqs=2, budget=64, chunk=16)
+    for i in range(2):
+        sched.add(seq(f"a{i}", "A", n=64))
+    step(sched)
+    step(sched)  # (the first tenant's two long prompts hold both slots, a chunk a step)
+    sched.add(seq("b0", "B", n=8))
+    out = step(sched)
+    # the slot is handed over before the step's prefill is planned: b0 goes first, a0 keeps the rest of the chunk
+    assert admitted(out) == ["b0"] and [s.request_id for s in out.preempted] == ["a1"]
+    assert plan(out)[0] == ("b0", 0, 8)
+
+
 def test_no_slot_changes_hands_with_a_single_slot() -> None:
     one = make(max_num_seqs=1)
     one.add(seq("a0", "A"))
