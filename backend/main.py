@@ -238,7 +238,7 @@ async def _start_phases(
         reply,
         settings.test_commit_delay_seconds,
         metrics,
-        settings.turn_submit_concurrency,
+        submit_concurrency=settings.turn_submit_concurrency,
     )
     fanout = _start_fanout(url, name, chat, metrics, owned)  # (stopped after the drain: its last frames still go out)
     owned.push_async_callback(_drain, chat, settings.shutdown_grace_seconds)

@@ -92,7 +92,8 @@ class ChatService:
         reply: ReplyConfig | None = None,
         commit_delay_s: float = 0.0,
         metrics: Metrics | None = None,
-        submit_concurrency: int = 8,
+        *,
+        submit_concurrency: int,  # (KVCHAT_TURN_SUBMIT_CONCURRENCY: its default is the setting's)
     ) -> None:
         self._sm = self.sessionmaker = sessionmaker
         self._engine = engine
@@ -113,7 +114,7 @@ class ChatService:
             reply or ReplyConfig(),
             metrics,
             commit_delay_s,
-            submit_concurrency,
+            submit_concurrency=submit_concurrency,
         )
 
     @property

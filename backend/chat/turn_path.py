@@ -112,7 +112,8 @@ class TurnPath:
         reply: ReplyConfig,
         metrics: Metrics | None = None,
         commit_delay_s: float = 0.0,
-        submit_concurrency: int = 8,
+        *,
+        submit_concurrency: int,
     ) -> None:
         self._sm = sessionmaker
         self._engine = engine
