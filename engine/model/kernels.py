@@ -104,6 +104,9 @@ WIDE_ROWS = 1024
 # AVX2, fp32: 96 rows 200 ms, 128 rows 230-260 ms, 31 decodes + 96 rows ~300 ms), so a new turn or a decode waits
 # behind one such chunk, not behind a whole 2048-token step (~1.2 s in bf16, ~4 s in fp32 on AVX2). A prompt alone
 # still takes the whole budget. Kinds not listed were not measured with it and keep no cap.
+# NOTE: Zen 4 shares Zen 5's kind but runs these chunks in ~1.8x the time (bf16 512 rows 373 ms, fp32 256 rows 297 ms;
+# bench.step_mix). Half the chunk there cut a burst's mean TTFT by 17-37 % and cost 16 long replies in bf16 11-13 % of
+# their tokens/s (docs/benchmarks.md): kept.
 PREFILL_CHUNKS: dict[tuple[str, torch.dtype], int] = {
     ("AVX-512 + AVX512-BF16", BF16): 512,
     ("AVX-512 + AVX512-BF16", F32): 256,
