@@ -148,6 +148,11 @@ class Bench:
             max_kv_memory_mb=args.kv_mb,
             max_num_seqs=max(32, workload.streams, workload.shared_requests),
             cache_dir=args.cache_dir,
+            # NOTE: the concurrent section measures the decode rate while all its streams decode together, which needs
+            # their prompts prefilled together; where a lone tenant's steps are capped (kernels.LONE_STEP_CAPPED) the
+            # 16 prompts would start a chunk at a time and the first finish before the last starts. That staggering is
+            # measured where it matters, a burst's TTFT (bench.run --arrival burst, docs/benchmarks.md).
+            cap_lone_steps=False,
         )
         self.driver = EngineDriver(self.config)
         self.info = self.driver.info
