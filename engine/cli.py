@@ -106,10 +106,10 @@ def doctor_command(args: argparse.Namespace) -> int:
     for r in rows:
         cells = (r[k].ljust(w) for k, w in zip(("op", "dtype", "rows", "runs"), widths, strict=True))
         print("  ".join(cells), " ", r["why"])
-    chunks = {str(d).removeprefix("torch."): kernels.prefill_chunk(d) for d in (torch.float32, torch.bfloat16)}
-    shown_chunks = ", ".join(f"{d} {n or 'no cap'}" for d, n in chunks.items())
+    dtypes = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16)}
+    shown_chunks = ", ".join(f"{name} {kernels.prefill_chunk(d) or 'no cap'}" for name, d in dtypes.items())
     print(f"\nprefill chunk of a step beside other requests (EngineConfig.long_prefill_chunk=None): {shown_chunks}")
-    lone = ", ".join(f"{d} {kernels.caps_lone_steps(getattr(torch, d))}" for d in chunks)
+    lone = ", ".join(f"{name} {kernels.caps_lone_steps(d)}" for name, d in dtypes.items())
     print(f"a lone tenant's step prefill capped at that chunk too (EngineConfig.cap_lone_steps=None): {lone}")
     return 0
 

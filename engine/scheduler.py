@@ -325,8 +325,11 @@ class Scheduler:
         """The most tokens one prefill chunk may take now: ``long_prefill_chunk`` while another sequence is in
         flight (running or waiting), else no cap (the step budget bounds it)."""
         cap = self.config.long_prefill_chunk
-        alone = len(self.running) + len(self.waiting) <= 1
-        return self.config.max_num_batched_tokens if alone or cap == 0 else cap
+        return self.config.max_num_batched_tokens if self._alone() or cap == 0 else cap
+
+    def _alone(self) -> bool:
+        """Whether at most one sequence is in flight (running or waiting)."""
+        return len(self.running) + len(self.waiting) <= 1
 
     def _prefill_budget(self) -> int:
         """The most prefill tokens this step plans: ``long_prefill_chunk`` while more than one tenant has a request
@@ -341,7 +344,7 @@ class Scheduler:
         lost 10-40 % of their tokens/s (commit 7d4d562)."""
         cap = self.config.long_prefill_chunk
         shared = self.fair.tenants.num_active > 1
-        several = self.config.cap_lone_steps and len(self.running) + len(self.waiting) > 1
+        several = self.config.cap_lone_steps and not self._alone()
         return cap if (shared or several) and cap else self.config.max_num_batched_tokens
 
     def drafts_wanted(self) -> bool:
