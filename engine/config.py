@@ -45,6 +45,9 @@ class EngineConfig:
     # that do not say (``SamplingParams.drafts`` None); a request's True or False wins. Off by default: with the
     # chat's repetition penalty they gained nothing (docs/benchmarks.md, issue 44).
     drafts: bool = False
+    # A file that gets one JSON line per step: its forward pass's time and what it held per tenant (engine.step_trace).
+    # None: off. For finding which steps a reply waited behind under load.
+    step_trace: str | None = None
 
     def __post_init__(self) -> None:
         checks = {

@@ -32,6 +32,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import Sequence as Seq
 from engine.sequence import SequenceStatus
+from engine.step_trace import StepTrace, step_record
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +63,7 @@ class EngineCore:
         wakeup: threading.Event,
         drafter: SuffixDrafter | None = None,
         drafts_default: bool = False,
+        trace: StepTrace | None = None,
     ) -> None:
         self.runner = runner
         self.encoder = encoder
@@ -75,6 +77,7 @@ class EngineCore:
         self._block_size = kv.block_size
         self.drafter = drafter  # suffix drafts (engine.spec); None: every decode step computes one token
         self.drafts_default = drafts_default  # for requests that do not say (``SamplingParams.drafts`` None)
+        self.trace = trace  # a JSON line per step (``EngineConfig.step_trace``); None: off
 
     @classmethod
     def build(
@@ -102,7 +105,8 @@ class EngineCore:
         table = RequestTable(scheduler, cache, info.max_model_len)
         grammar = GrammarCompiler(tokenizer.hf, info.vocab_size, tokenizer.eos_token_ids)
         sampler = Sampler(runner.device, vocab_size=info.vocab_size, grammar=grammar)
-        return cls(runner, encoder, sampler, kv, scheduler, cache, table, lock, wakeup, drafter, config.drafts)
+        trace = StepTrace(config.step_trace) if config.step_trace else None
+        return cls(runner, encoder, sampler, kv, scheduler, cache, table, lock, wakeup, drafter, config.drafts, trace)
 
     def prepare(
         self, submission: Submission, rid: str, session: str | None, share: FairShare = DEFAULT_SHARE
@@ -175,11 +179,16 @@ class EngineCore:
                 self.table.fail(seq.request_id, error)
         if out.is_empty:
             return False
+        began = time.monotonic()
         computed, logits, failed = self._forward_isolated(out.scheduled)
+        forward_s = time.monotonic() - began
         sampled = [s for s in computed if s.need_logits]
         tokens = self._sample(sampled, logits, failed)
         now = time.monotonic()
         with self._lock:
+            if self.trace is not None:  # NOTE: before update_after_step: a decode is told from a chunk by its position
+                run, wait = self.scheduler.running, self.scheduler.waiting
+                self.trace.write(step_record(began, forward_s, out.scheduled, run, wait))
             for item, reason in failed:  # NOTE: before update_after_step, so none of their blocks is published
                 self._fail_scheduled(item, reason)
             for item, picked in tokens:

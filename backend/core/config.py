@@ -78,6 +78,12 @@ class Settings(BaseSettings):
         "/admin/tenant/drafts`, `on`/`off`/`default`) wins over it, and a `/v1` request's `drafts` field over both. "
         "Off by default: with the chat's repetition penalty they gained nothing here (docs/benchmarks.md)",
     )
+    engine_step_trace: Path | None = Field(
+        default=None,
+        description="a file that gets one JSON line per engine step: its forward pass's time and, per tenant, the "
+        "sequences, prefill tokens, decode and draft rows it held, and the running and waiting sequences (for finding "
+        "which steps a reply waited behind under load; ~200 bytes a step). Unset: off",
+    )
     engine_quantization: Literal["int8"] | None = Field(
         default=None,
         description="`int8`: weight-only int8 on CPU (slightly different outputs; faster only with AVX-512 int8)",
@@ -316,6 +322,7 @@ class Settings(BaseSettings):
             max_kv_memory_mb=self.max_kv_memory_mb,
             quantization=self.engine_quantization,
             drafts=self.engine_drafts,
+            step_trace=str(self.engine_step_trace) if self.engine_step_trace else None,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_waiting=self.max_waiting,
