@@ -12,8 +12,10 @@ planned for it (prefill chunks and decodes; prefix-cache hits are free) divided 
 goes first to the sequence, running or waiting, of the tenant with the smallest counter (inside a tenant, its running
 prefills first, then the waiting sequence of the session with the smallest counter, then the oldest), so one
 tenant's burst, admitted or queued, cannot hold another's reply. A tenant back from idle is lifted to the
-smallest active counter: idling banks no credit. Alone, a tenant gets the whole engine. Scheduling decides only when
-a token is computed, never its value.
+smallest active counter: idling banks no credit (the tie that makes goes to it). A newcomer's step (its tenant has
+nothing decoding while another's replies decode) prefills only its tenant's prompts, so its first token comes from
+a step of its own rows and the decodes. Alone, a tenant gets the whole engine. Scheduling decides only when a token
+is computed, never its value.
 
 When every running slot is taken and the fairest waiting sequence's tenant has nothing running, one running sequence
 of the tenant that holds the most slots, beyond its even share, is preempted for it (one a step). Without that, a
@@ -41,6 +43,7 @@ reported in ``SchedulerOutput.rejected`` (the engine fails it with ``PromptTooLo
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -294,23 +297,40 @@ class Scheduler:
         ``_next_waiting``) in one order: the smallest tenant counter first (it grows as the step plans); inside a
         tenant, its running prefills (by session counter) before its next admission, as when one tenant is alone.
 
+        A newcomer's step: when the step's first prefill is for a tenant with nothing decoding (its turn waits for its
+        first token) while another tenant's replies decode, the step plans only such tenants' prefills.
+
         NOTE: no admission in a step that preempted: the pool is already short, a new sequence would only be
         preempted in turn (the same rule as vLLM); nor after the fairest waiting one found no blocks: nobody
-        overtakes it (else a long prompt could starve)."""
+        overtakes it (else a long prompt could starve).
+        NOTE: why the newcomer's step: filled with another tenant's chunks, the step that brings its first token
+        costs a whole chunk (Zen 4, bf16: 486 prefill tokens beside B's 26 took 1.4 s while the backend handled a
+        burst's turns, where B's own rows would have taken a fraction; ``KVCHAT_ENGINE_STEP_TRACE``). The others lose
+        that step's prefill room, only while the newcomer's prompt prefills."""
         admitting = True
+        decoding = {s.share.tenant for s in self.running if s.output_token_ids}  # (no admission changes it)
+        newcomer = functools.partial(_newcomer, decoding)
+        # NOTE: once the step's first prefill is a newcomer's (a handed-over slot's, or planned below), only newcomers'
+        only = bool(step.prefills) and all(newcomer(step.scheduled[r].seq) for r in step.prefills)
         while self._room(step):
             running = [s for s in self.running if s.request_id not in step.scheduled and _prefills(s)]
+            running = [s for s in running if not only or newcomer(s)]
             run = min(running, key=lambda s: self._prefill_rank(s, False), default=None)
             room = admitting and not step.preempted and len(self.running) < self.config.max_num_seqs
             wait = self._next_waiting() if room else None
+            wait = wait if wait is None or not only or newcomer(wait) else None
+            first = not step.prefills
             if wait is not None and (run is None or self._prefill_rank(wait, True) < self._prefill_rank(run, False)):
                 admitting = self._admit(wait, step)
+                planned = wait.request_id in step.prefills  # (not when it was rejected, or found no blocks)
+                only = only or (first and planned and newcomer(wait))
                 continue
             if run is None:
                 return
             num_new = min(run.num_tokens - run.num_computed_tokens, step.budget, step.prefill, self._chunk_cap())
             if self._reserve(run, num_new, step):
                 self._plan(run, num_new, step, prefill=True)
+                only = only or (first and newcomer(run))
             else:
                 admitting = False  # (the pool is short: the rule above)
 
@@ -318,8 +338,17 @@ class Scheduler:
         return step.budget > 0 and step.prefill > 0
 
     def _prefill_rank(self, seq: Sequence, waiting: bool) -> tuple[float, bool, float]:
+        """Smaller is planned first: the tenant's counter; on a tie, a running prefill before an admission of a tenant
+        that has sequences running (its own order when alone), but an admission of a tenant with nothing running
+        first; then the session's counter.
+
+        NOTE: why the newcomer wins the tie: it is lifted to the smallest active counter, so its tenant and the one
+        prefilling are tied when it arrives; the running prefill winning cost the newcomer a whole step, and a step
+        of a burst's onset took 0.8-1.5 s on 2 Zen 4 cores while the backend handled the burst's turns (issue 42's
+        probe, ``KVCHAT_ENGINE_STEP_TRACE``)."""
         tenant, session = self.fair.rank(seq.share, seq.fair_session)
-        return tenant, waiting, session
+        behind = waiting and any(s.share.tenant == seq.share.tenant for s in self.running)
+        return tenant, behind, session
 
     def _chunk_cap(self) -> int:
         """The most tokens one prefill chunk may take now: ``long_prefill_chunk`` while another sequence is in
@@ -454,6 +483,11 @@ class Scheduler:
 def _decodes(seq: Sequence) -> bool:
     """Whether a running sequence's next step is a decode: one token left to compute (its last sampled one)."""
     return seq.num_tokens - seq.num_computed_tokens == 1
+
+
+def _newcomer(decoding: set[str], seq: Sequence) -> bool:
+    """Whether ``seq``'s tenant has no running sequence past its prompt while another tenant's (``decoding``) do."""
+    return bool(decoding) and seq.share.tenant not in decoding
 
 
 def _prefills(seq: Sequence) -> bool:
