@@ -284,7 +284,7 @@ class Scheduler:
         for seq in list(self.running):  # NOTE: admission order: the budget rarely runs out before the decodes
             if step.budget <= 0:
                 return
-            if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled or not _decodes(seq):
+            if seq.status is not SequenceStatus.RUNNING or seq.request_id in step.scheduled or not decodes(seq):
                 continue  # preempted earlier in this loop, or prefilling, or waiting for its sampled token
             drafts = self._drafts(seq, per_seq, step)
             if drafts:
@@ -310,27 +310,24 @@ class Scheduler:
         admitting = True
         decoding = {s.share.tenant for s in self.running if s.output_token_ids}  # (no admission changes it)
         newcomer = functools.partial(_newcomer, decoding)
-        # NOTE: once the step's first prefill is a newcomer's (a handed-over slot's, or planned below), only newcomers'
-        only = bool(step.prefills) and all(newcomer(step.scheduled[r].seq) for r in step.prefills)
+        only = False  # once the step's first prefill (a handed-over slot's, or planned below) is a newcomer's
         while self._room(step):
+            if not only and len(step.prefills) == 1:
+                only = newcomer(step.scheduled[next(iter(step.prefills))].seq)
             running = [s for s in self.running if s.request_id not in step.scheduled and _prefills(s)]
             running = [s for s in running if not only or newcomer(s)]
             run = min(running, key=lambda s: self._prefill_rank(s, False), default=None)
             room = admitting and not step.preempted and len(self.running) < self.config.max_num_seqs
             wait = self._next_waiting() if room else None
             wait = wait if wait is None or not only or newcomer(wait) else None
-            first = not step.prefills
             if wait is not None and (run is None or self._prefill_rank(wait, True) < self._prefill_rank(run, False)):
                 admitting = self._admit(wait, step)
-                planned = wait.request_id in step.prefills  # (not when it was rejected, or found no blocks)
-                only = only or (first and planned and newcomer(wait))
                 continue
             if run is None:
                 return
             num_new = min(run.num_tokens - run.num_computed_tokens, step.budget, step.prefill, self._chunk_cap())
             if self._reserve(run, num_new, step):
                 self._plan(run, num_new, step, prefill=True)
-                only = only or (first and newcomer(run))
             else:
                 admitting = False  # (the pool is short: the rule above)
 
@@ -343,9 +340,9 @@ class Scheduler:
         first; then the session's counter.
 
         NOTE: why the newcomer wins the tie: it is lifted to the smallest active counter, so its tenant and the one
-        prefilling are tied when it arrives; the running prefill winning cost the newcomer a whole step, and a step
-        of a burst's onset took 0.8-1.5 s on 2 Zen 4 cores while the backend handled the burst's turns (issue 42's
-        probe, ``KVCHAT_ENGINE_STEP_TRACE``)."""
+        prefilling are tied when it arrives; the running prefill winning could cost the newcomer a whole step, and a
+        step of a burst's onset took 0.6-1.5 s on 2 Zen 4 cores while the backend handled the burst's turns (issue
+        42's probe, ``KVCHAT_ENGINE_STEP_TRACE``)."""
         tenant, session = self.fair.rank(seq.share, seq.fair_session)
         behind = waiting and any(s.share.tenant == seq.share.tenant for s in self.running)
         return tenant, behind, session
@@ -389,7 +386,7 @@ class Scheduler:
         mean +16 % with drafts, for the same tokens/s), a cost the per-sequence model does not see."""
         if self.draft_limit is None or not self.drafts_wanted():
             return 0
-        decoding = sum(1 for s in self.running if _decodes(s))
+        decoding = sum(1 for s in self.running if decodes(s))
         return self.draft_limit(decoding)
 
     def _drafts(self, seq: Sequence, per_seq: int, step: _Step) -> tuple[int, ...]:
@@ -480,7 +477,7 @@ class Scheduler:
         step.rejected.append(seq)
 
 
-def _decodes(seq: Sequence) -> bool:
+def decodes(seq: Sequence) -> bool:
     """Whether a running sequence's next step is a decode: one token left to compute (its last sampled one)."""
     return seq.num_tokens - seq.num_computed_tokens == 1
 

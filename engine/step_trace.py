@@ -4,7 +4,7 @@ sequences per tenant after it was planned.
 
 NOTE: why: a reply's latency under load is a question of which steps it waited behind, and the histograms in
 ``/metrics`` cannot say that. Issue 42's probe (tenant B's first turn beside tenant A's 60 new sessions) found it here:
-B's prompt waited behind steps that ran 2-4x slower than the same mix on a quiet machine, while the backend handled
+B's prompt waited behind steps that ran up to 30x slower than the same mix on a quiet machine, while the backend handled
 A's turns on the same two cores. Off by default: a line a step is ~200 bytes (~25 steps/s at full decode).
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from engine.scheduler import ScheduledSeq
+from engine.scheduler import ScheduledSeq, decodes
 from engine.sequence import Sequence
 
 
@@ -39,7 +39,7 @@ def step_record(
         seq = item.seq
         row = tenants.setdefault(seq.share.tenant, [0, 0, 0, 0])
         row[0] += 1
-        if item.start_pos >= seq.num_tokens - 1:  # NOTE: a decode (its last sampled token, and drafts)
+        if decodes(seq):  # (its last sampled token, and drafts; read before update_after_step)
             row[2] += 1
             row[3] += len(item.drafts)
         else:  # a prompt's chunk, or a preempted sequence's recompute
