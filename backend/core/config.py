@@ -204,7 +204,7 @@ class Settings(BaseSettings):
         ge=1,
         description="customer messages checked and stored at once, all tenants together (a turn's steps 1-2: "
         "[turn_path](turn_path.md)); the slot that frees goes to the waiting tenant holding the fewest, so one "
-        "tenant's burst does not queue the others' messages. Below the Postgres pool's 10 connections, so a "
+        "tenant's burst does not queue the others' messages. Below the Postgres pool's 20 connections, so a "
         "message let in finds a connection: the gate, not the pool's first-come queue, decides who goes next",
     )
     test_commit_delay_seconds: float = Field(

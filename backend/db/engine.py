@@ -18,6 +18,7 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from backend.db import sqlite_driver
+from backend.db.idle_ping import ping_when_idle
 
 WORKER_PREFIX = "kvchat-worker:"
 
@@ -88,9 +89,13 @@ def create_db_engine(url: str, application_name: str | None = None, sqlite_timeo
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
     connect_args = {"server_settings": {"application_name": application_name}} if application_name else {}
-    # NOTE: pre-ping: after a Postgres restart every pooled connection is dead; each is tested and replaced on
-    # checkout instead of failing the first statement of a turn.
-    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, connect_args=connect_args)
+    # NOTE: after a Postgres restart every pooled connection is dead: one that sat idle is tested at checkout and
+    # replaced (``idle_ping.py``; a ping per checkout was ~5 round trips a turn). The pool keeps 20 (at most 30, as
+    # before): at saturation a turn's tasks held more than 10 at once, and each overflow connection was made and
+    # closed again, its prepared statements with it.
+    engine = create_async_engine(url, pool_size=20, max_overflow=10, pool_use_lifo=True, connect_args=connect_args)
+    ping_when_idle(engine.sync_engine)
+    return engine
 
 
 async def peer_workers(engine: AsyncEngine, own_name: str) -> int:

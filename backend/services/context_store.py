@@ -239,6 +239,7 @@ async def record_topic(
         update(ChatSession)
         .where(ChatSession.id == session_id)
         .values(semantic_temperature=topic.temperature, topic_epoch=topic.epoch)
+        .execution_options(synchronize_session=False)  # (no session object is held here: nothing to evaluate)
     )
     await db.flush()
 

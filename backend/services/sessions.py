@@ -245,6 +245,7 @@ async def _add_reply(
             Message.status == MessageStatus.AWAITING_REPLY.value,
         )
         .values(status=MessageStatus.COMPLETE.value)
+        .execution_options(synchronize_session=False)  # (the customer's message is not held in this session)
     )
     if commit_delay_s:
         await db.flush()
