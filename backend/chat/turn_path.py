@@ -5,6 +5,9 @@ Each step names the module it runs in; the path enters each once and does not co
 ``submit`` (the socket's reader waits on it, up to the ack; steps 1 and 2 hold a slot of a gate fair by tenant,
 ``backend/core/fair_gate.py``, at most ``KVCHAT_TURN_SUBMIT_CONCURRENCY`` messages of all tenants at once):
 
+0. the message's sentence vector for the section choice starts encoding on a CPU worker, beside steps 1 and 2,
+   when the gate has room and the tenant no other CPU work queued (``ContextService.prefetch``: step 7 finds it in
+   the encoder's cache; under load it would only run ahead of the plans of turns already stored);
 1. the message can be answered at all: system prompt + message + reply within the model's budget
    (``answerable.py``; from its length alone for almost every message), else it is refused and nothing is stored;
 2. ONE transaction (``message_store.py``): the context read (``services/context_service.py``: the session with its
@@ -147,6 +150,8 @@ class TurnPath:
 
     async def _submit(self, tenant: Tenant, session_id: str, frame: UserMessage, reply_to: Send) -> None:
         marks = TurnMarks(time.perf_counter())
+        if not self._gate.full:  # 0: beside 1-2 (when the message waits for the gate, its plan encodes it anyway)
+            self._context.prefetch(tenant.id, frame.text)
         async with self._gate.hold(tenant.id):  # NOTE: one tenant's burst must not queue the others' messages
             await self._answerable.check(tenant.id, _prefix_text(tenant), frame.text, self.budget)  # 1
             stored = await self._messages.store(tenant.id, session_id, frame)  # 2

@@ -49,6 +49,11 @@ class FairGate:
         finally:
             self._release(owner)
 
+    @property
+    def full(self) -> bool:
+        """Whether a caller would wait for a slot now."""
+        return self._total >= self._capacity
+
     def held(self) -> dict[str, int]:
         """Slots held, per owner (for tests and metrics)."""
         return dict(self._held)

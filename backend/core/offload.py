@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
+log = logging.getLogger("kvchat.offload")
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -68,6 +70,13 @@ class FairExecutor:
             else:
                 queue.append(job)  # NOTE: the owner is in line already, or its running job puts it back
         return job.future
+
+    def submit_if_idle(self, owner: str, call: Callable[[], T]) -> Future[T] | None:
+        """``submit`` when the owner has no job queued or running, else nothing (None): for spare work."""
+        with self._cond:
+            if owner in self._queues:
+                return None
+            return self.submit(owner, call)  # (the condition's lock is reentrant)
 
     def queued(self) -> dict[str, int]:
         """Jobs queued or running, per owner (for tests and metrics)."""
@@ -115,3 +124,19 @@ async def run_cpu(owner: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwa
     caller's request and session ids (``backend.core.logs``)."""
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
     return await asyncio.wrap_future(_POOL.submit(owner, call))
+
+
+def spare_cpu(owner: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T] | None:
+    """Start ``fn`` on the shared pool only when ``owner`` has no job queued or running there (None otherwise), and
+    do not wait for it: for work done ahead whose result lands in a cache, which the owner's own jobs would do anyway
+    (under load it would only queue ahead of them). A failure is logged, not raised."""
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    future = _POOL.submit_if_idle(owner, call)
+    if future is not None:
+        future.add_done_callback(_log_failure)
+    return future
+
+
+def _log_failure(future: Future[Any]) -> None:
+    if not future.cancelled() and (exc := future.exception()) is not None:
+        log.warning("a background CPU job failed: %r", exc)

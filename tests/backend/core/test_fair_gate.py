@@ -55,9 +55,11 @@ async def _settle() -> None:
 async def test_capacity_is_honoured() -> None:
     gate = FairGate(3)
     holders = Holders(gate)
+    assert not gate.full
     for i in range(5):
         holders.start(f"t{i}", f"t{i}")
     await _settle()
+    assert gate.full
     assert holders.entered == ["t0", "t1", "t2"]
     assert gate.held() == {"t0": 1, "t1": 1, "t2": 1}
     assert gate.waiting() == {"t3": 1, "t4": 1}
@@ -65,6 +67,7 @@ async def test_capacity_is_honoured() -> None:
     assert holders.entered == ["t0", "t1", "t2", "t3"]
     for name in ("t0", "t2", "t3", "t4"):
         await holders.release(name)
+    assert not gate.full
     assert_empty(gate)
 
 

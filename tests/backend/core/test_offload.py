@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -109,3 +110,20 @@ def test_a_job_sees_the_callers_log_ids() -> None:
 
     assert asyncio.run(from_a_turn()) == "sess-7"  # what the job logs carries the session, as the turn itself does
     assert asyncio.run(run_cpu("tenant-a", logs.session_id.get)) is None  # only the caller's: nothing leaks across
+
+
+def test_spare_work_starts_only_while_its_owner_has_no_job() -> None:
+    pool = FairExecutor(2)
+    started, release, slow = _blocker()
+    busy = pool.submit("a", slow)
+    assert started.wait(WAIT_S)
+    assert pool.submit_if_idle("a", lambda: "spare") is None  # (a's own job runs: the spare one would queue)
+    spare = pool.submit_if_idle("b", lambda: "spare")  # b has nothing: it runs
+    assert spare is not None and spare.result(WAIT_S) == "spare"
+    release.set()
+    assert busy.result(WAIT_S) == "slow"
+    deadline = time.monotonic() + WAIT_S
+    while "a" in pool.queued() and time.monotonic() < deadline:  # (the worker lets go of the owner after the result)
+        time.sleep(0.001)
+    later = pool.submit_if_idle("a", lambda: "spare")
+    assert later is not None and later.result(WAIT_S) == "spare"

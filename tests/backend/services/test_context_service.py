@@ -3,15 +3,20 @@ the context a customer message was observed with, which its turn reuses instead 
 
 from __future__ import annotations
 
+import asyncio
+import secrets
+
 import pytest
 
+from backend.context.handbook import HandbookFormat, HandbookLimits
 from backend.context.shift_classifier import ShiftClassifier
 from backend.core.namespaces import Namespaces
 from backend.db.engine import create_db_engine, create_sessionmaker
 from backend.domain import MessageStatus
+from backend.services import handbook
 from backend.services import sessions as store
 from backend.services.context_service import ContextService, SessionContext
-from backend.services.shared_scorer import shared_scorer
+from backend.services.shared_scorer import section_embedder, shared_scorer
 from backend.services.tenants import bootstrap_default_tenant
 from engine.llm_engine import LLMEngine
 
@@ -37,6 +42,10 @@ def test_prepare_fills_the_classifiers_cache_and_is_a_no_op_for_the_others() -> 
 
 PARCEL = "My parcel is late. Order #4061234567 was due on Monday, where is it?"
 KETTLE = "Another thing: the kettle from order #5550001111 broke. Can I return it?"
+HANDBOOK = (
+    "## Late parcels\nTrack the parcel from your orders page; after 5 days we send a new one.\n\n"
+    "## Returns\nA broken item can be returned within 30 days for a refund.\n"
+)
 REPLY = "I am sorry about that. Step 1: open your orders. Step 2: choose the parcel and press Track."
 
 
@@ -93,3 +102,44 @@ def _contents(ctx: SessionContext) -> tuple[object, ...]:
         ctx.settings,
         ctx.last_seq,
     )
+
+
+@pytest.mark.anyio
+async def test_prefetch_encodes_a_message_for_the_section_choice_before_its_turn_plans(
+    db_url: str, tiny_engine: LLMEngine
+) -> None:
+    """Step 0 of the turn path: the message's vector is computed while it is stored, so the plan finds it cached."""
+    db_engine = create_db_engine(db_url)
+    maker = create_sessionmaker(db_engine)
+    context = ContextService(maker, tiny_engine, Namespaces(b"test-secret"))
+    try:
+        tenant_id = (await bootstrap_default_tenant(maker, "c", "a")).tenant_id
+        assert context.prefetch(tenant_id, PARCEL) is None  # (no index built yet: nothing to encode for)
+        async with maker() as db:
+            await handbook.replace(
+                db,
+                tiny_engine,
+                Namespaces(b"test-secret"),
+                tenant_id,
+                HANDBOOK,
+                HandbookFormat.MARKDOWN,
+                HandbookLimits(),
+            )
+            await db.commit()
+        async with maker() as db:
+            session_id = (await store.create_session(db, tenant_id)).id
+            await db.commit()
+            await context.load(db, tenant_id, session_id)  # (builds the tenant's handbook index)
+        text = f"Can I still change the delivery address of order #{secrets.randbelow(10**10)}?"
+        cache = section_embedder()._embedder._cache  # (the process's: a new text each run)
+        assert text not in cache
+        for _ in range(10_000):  # (the CPU worker lets go of the tenant just after its last job's result)
+            if (future := context.prefetch(tenant_id, text)) is not None:
+                break
+            await asyncio.sleep(0.001)
+        assert future is not None
+        vectors = await asyncio.wrap_future(future)
+        assert vectors is not None and vectors.shape[0] == 1
+        assert text in cache
+    finally:
+        await db_engine.dispose()
