@@ -96,13 +96,12 @@ class FairExecutor:
                     self._cond.wait()
                 owner = self._line.popleft()
                 job = self._queues[owner][0]
+            done: tuple[bool, Any] | None = None  # (ran, its result or error); None: cancelled before it started
             if job.future.set_running_or_notify_cancel():
                 try:
-                    result = job.call()
+                    done = (True, job.call())
                 except BaseException as exc:  # noqa: BLE001 (handed to the caller, who raises it)
-                    job.future.set_exception(exc)
-                else:
-                    job.future.set_result(result)
+                    done = (False, exc)
             with self._cond:
                 queue = self._queues[owner]
                 queue.popleft()
@@ -111,6 +110,13 @@ class FairExecutor:
                     self._cond.notify()
                 else:
                     del self._queues[owner]
+            # NOTE: the owner is let go first, so a caller that got its result finds it idle (``submit_if_idle``)
+            if done is not None:
+                ok, value = done
+                if ok:
+                    job.future.set_result(value)
+                else:
+                    job.future.set_exception(value)
 
 
 _POOL = FairExecutor(WORKERS)
@@ -122,16 +128,14 @@ async def run_cpu(owner: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwa
 
     NOTE: ``fn`` runs in a copy of the caller's context (as ``asyncio.to_thread`` does), so what it logs carries the
     caller's request and session ids (``backend.core.logs``)."""
-    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-    return await asyncio.wrap_future(_POOL.submit(owner, call))
+    return await asyncio.wrap_future(_POOL.submit(owner, _in_callers_context(fn, *args, **kwargs)))
 
 
 def spare_cpu(owner: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T] | None:
     """Start ``fn`` on the shared pool only when ``owner`` has no job queued or running there (None otherwise), and
     do not wait for it: for work done ahead whose result lands in a cache, which the owner's own jobs would do anyway
     (under load it would only queue ahead of them). A failure is logged, not raised."""
-    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-    future = _POOL.submit_if_idle(owner, call)
+    future = _POOL.submit_if_idle(owner, _in_callers_context(fn, *args, **kwargs))
     if future is not None:
         future.add_done_callback(_log_failure)
     return future
@@ -140,3 +144,7 @@ def spare_cpu(owner: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs)
 def _log_failure(future: Future[Any]) -> None:
     if not future.cancelled() and (exc := future.exception()) is not None:
         log.warning("a background CPU job failed: %r", exc)
+
+
+def _in_callers_context(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Callable[[], T]:
+    return functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)

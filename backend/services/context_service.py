@@ -128,7 +128,9 @@ class ContextService:
         turn has built its handbook index (None then). Only while the tenant has no other CPU work: under load the
         encode would queue ahead of the plans of turns already stored (the plan encodes it anyway)."""
         index = self._handbooks.current(tenant_id)
-        return None if index is None else spare_cpu(tenant_id, index.embed, [text])
+        if index is None or self.choice.bm25_weight >= 1.0:  # (BM25 alone: ``choose`` encodes nothing)
+            return None
+        return spare_cpu(tenant_id, index.embed, [text])
 
     async def record_customer(self, ctx: SessionContext, message: Message, observation: Observation) -> SessionContext:
         """Store what ``plan`` observed of ``message`` (its blocks, a topic history row, the session's topic;
