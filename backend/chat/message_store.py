@@ -25,6 +25,7 @@ from backend.core.errors import SessionClosedError
 from backend.db.models import Message
 from backend.domain import MessageRole, SessionStatus
 from backend.services import sessions as store
+from backend.services import turn_read
 from backend.services.context_service import ContextService, SessionContext
 from backend.services.handoff_settings import HandoffSettings
 from backend.services.reply_settings import ReplySettings
@@ -85,6 +86,12 @@ class MessageStore:
             async with self._sm() as db:
                 return await self._lock_then_read(db, tenant_id, session_id, frame)
 
+    async def read(self, db: AsyncSession, tenant_id: str, session_id: str) -> tuple[SessionContext, ReplySetup]:
+        """The turn's context and the tenant's reply setup (read only: safe to retry), in one round trip on Postgres
+        (``turn_read.py``)."""
+        rows = await turn_read.read(db, tenant_id, session_id)
+        return await self._context.context_of(db, rows), reply_setup.of_rows(rows, self._defaults)
+
     async def _read_then_store(
         self, db: AsyncSession, tenant_id: str, session_id: str, frame: UserMessage
     ) -> Stored | None:
@@ -92,8 +99,7 @@ class MessageStore:
         the message was stored before (a retry: ``_lock_then_read`` replays it) or the session's topic or pinned
         context changed after the read."""
         in_flight = self._turns.in_flight(session_id) is not None  # NOTE: known before the read
-        ctx = await self._context.load(db, tenant_id, session_id)
-        setup = await reply_setup.load(db, tenant_id, self._defaults)
+        ctx, setup = await self.read(db, tenant_id, session_id)
         handoff = await self._desk.handoff_settings(tenant_id, db)  # (from memory, mostly)
         if any(_sent_as(m, frame.client_msg_id) for m in ctx.messages):
             return None
@@ -124,8 +130,7 @@ class MessageStore:
             raise SessionClosedError("this session is closed; start a new one")
         before = SessionStatus(session.status)
         read_again = self._turns.in_flight(session_id) is not None  # NOTE: known under the lock, before the read
-        ctx = await self._context.load(db, tenant_id, session_id)
-        setup = await reply_setup.load(db, tenant_id, self._defaults)
+        ctx, setup = await self.read(db, tenant_id, session_id)
         handoff = await self._desk.handoff_settings(tenant_id, db)  # (from memory, mostly)
         message = next((m for m in ctx.messages if _sent_as(m, frame.client_msg_id)), None)
         if message is not None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
-from backend.services import reply_settings, tenant_tools
+from backend.services import reply_settings
 from backend.services.reply_settings import ReplySettings, ToolUse
 from backend.services.tenant_tools import ToolEndpoint
+from backend.services.turn_read import TurnRows
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,9 +21,9 @@ class ReplySetup:
         return bool(self.tools)
 
 
-async def load(db: AsyncSession, tenant_id: str, defaults: ReplySettings) -> ReplySetup:
-    """The tenant's setup (read only: safe to retry)."""
-    settings = await reply_settings.load(db, tenant_id, defaults)
+def of_rows(rows: TurnRows, defaults: ReplySettings) -> ReplySetup:
+    """The tenant's setup from a turn's rows (``turn_read.read(with_reply=True)``: read with its context)."""
+    settings = reply_settings.of_rows(rows.tenant.drafts, rows.reply, defaults)
     if settings.tool_use is ToolUse.NONE:
         return ReplySetup(settings)
-    return ReplySetup(settings, tuple(await tenant_tools.enabled_endpoints(db, tenant_id)))
+    return ReplySetup(settings, tuple(ToolEndpoint.of(t) for t in rows.tools if t.enabled))

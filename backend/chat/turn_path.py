@@ -54,7 +54,6 @@ from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from backend.chat import reply_setup
 from backend.chat.agent_desk import WAITING, AgentDesk
 from backend.chat.answerable import Answerable
 from backend.chat.grounding import turn_grounding
@@ -264,8 +263,7 @@ class TurnPath:
 
     async def _read(self, turn: Turn, db: AsyncSession) -> tuple[SessionContext, ReplySetup]:
         """Step 6's read again (read only: safe to retry): the context and the reply setup."""
-        ctx = await self._context.load(db, turn.tenant_id, turn.session_id)
-        return ctx, await reply_setup.load(db, turn.tenant_id, self.reply.defaults)
+        return await self._messages.read(db, turn.tenant_id, turn.session_id)
 
     def _plan(self, turn: Turn, setup: ReplySetup) -> tuple[Plan, Grounding]:
         """Step 7, in a worker thread: the message observed, the prompt built and tokenized (with room for the tools'

@@ -1,7 +1,8 @@
 """The context layer of a chat turn: what the chat service asks of it, between the database and the engine.
 
-- ``load``: what a turn reads of the session (five queries, in the caller's transaction: the chat reads it in the
-  one that stores the customer's message, ``backend/chat/turn_path.py``);
+- ``load``: what a turn reads of the session (``turn_read.py``: one round trip on Postgres), in the caller's
+  transaction: the chat reads it in the one that stores the customer's message (``backend/chat/turn_path.py``), with
+  the tenant's reply settings (``context_of`` then builds the context from those rows);
 - ``plan`` (a worker thread, once per turn): observe the customer's message — split it into blocks (the tenant's
   rules, compiled once and again only when they change), move the session's topic (semantic temperature, epoch),
   choose the topic's handbook section(s) (``backend/context/sections.py``, replayed over the epoch's customer
@@ -36,7 +37,6 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.context.blocks import Block
@@ -50,21 +50,21 @@ from backend.context.minilm import Array
 from backend.context.sections import ChoiceSettings, SectionIndex, choose
 from backend.context.splitter import Splitter
 from backend.context.topic import TopicState, TopicTracker, identifier_keys
-from backend.core.errors import SessionNotFoundError, TenantNotFoundError
+from backend.core.errors import TenantNotFoundError
 from backend.core.namespaces import Namespaces
 from backend.core.offload import run_cpu, spare_cpu
-from backend.db.models import ChatSession, Message, Tenant, TenantContextSettings
+from backend.db.models import ChatSession, Message, Tenant
 from backend.domain import InvalidationReason, MessageRole, MessageStatus
 from backend.engine_client import control
 from backend.engine_client.protocol import EngineClient
 from backend.engine_client.values import InvalidationResult, SegmentedPrompt, TokenizedPrompt, common_prefix
-from backend.services import context_store
-from backend.services import sessions as store
+from backend.services import context_store, turn_read
 from backend.services.context_history import epochs_of, history_message, in_order
-from backend.services.context_store import ContextSettings, RuleSetCache
+from backend.services.context_store import RuleSetCache
 from backend.services.handbook import HandbookCache
 from backend.services.session_context import LastPrompt, Observation, Plan, PreparedPrompt, SessionContext
 from backend.services.shared_scorer import shared_scorer
+from backend.services.turn_read import TurnRows
 from backend.tools.family import detect_family
 from backend.tools.prompt import offer
 from backend.tools.types import ToolFamily, ToolSpec
@@ -211,30 +211,33 @@ class ContextService:
 
     async def load(self, db: AsyncSession, tenant_id: str, session_id: str) -> SessionContext:
         """Everything a turn needs from the database (read only, so safe to retry): the session with its tenant and
-        the tenant's settings, its messages, topic history and blocks, and the rules' version (five queries)."""
-        session, tenant, settings = await _session_and_tenant(db, tenant_id, session_id)
-        messages = await store.messages_after(db, session_id, 0)
-        history = await context_store.topic_history(db, session_id)
-        rows = await context_store.load_block_rows(db, session_id)
-        handbook = await self._handbooks.get(db, tenant_id, tenant.handbook_version)
-        blocks = [block for block, _ in rows]
+        the tenant's settings, its messages, topic history and blocks, and the rules' version (``turn_read``: one
+        round trip on Postgres)."""
+        return await self.context_of(db, await turn_read.read(db, tenant_id, session_id, with_reply=False))
+
+    async def context_of(self, db: AsyncSession, rows: TurnRows) -> SessionContext:
+        """The session's context from its rows (``turn_read``); the database is read again only for what changed
+        since this process last read it: the handbook's sections at a new version, the rules at a new version."""
+        session, tenant = rows.session, rows.tenant
+        found = context_store.blocks_of(rows.blocks)
+        history = rows.history
         return SessionContext(
-            tenant_id,
-            session_id,
-            self.namespaces.of(tenant_id, tenant.cache_scope),
+            tenant.id,
+            session.id,
+            self.namespaces.of(tenant.id, tenant.cache_scope),
             tenant.system_prompt,
             tenant.policy_text,
             session.topic_epoch,
             session.semantic_temperature,
             session.pinned_context,
-            messages,
-            epochs_of(messages, {row.message_seq: row.topic_epoch for row in history}),
+            rows.messages,
+            epochs_of(rows.messages, {row.message_seq: row.topic_epoch for row in history}),
             {row.message_seq: row.temperature for row in history},
-            blocks,
-            {block.key: block_id for block, block_id in rows},
-            settings,
-            await self._rules.get(db, tenant_id),
-            handbook,
+            [block for block, _ in found],
+            {block.key: block_id for block, block_id in found},
+            context_store.settings_of(rows.context_settings),
+            await self._rules.get(db, tenant.id, rows.rules_version),
+            await self._handbooks.get(db, tenant.id, tenant.handbook_version),
             {row.message_seq: context_store.section_titles(row) for row in history},
         )
 
@@ -393,26 +396,6 @@ def _before(messages: Sequence[Message], seq: int) -> list[Message]:
     ordered = in_order(messages)
     mine = next((n for n, m in enumerate(ordered) if m.seq == seq), len(ordered))
     return ordered[:mine]
-
-
-async def _session_and_tenant(
-    db: AsyncSession, tenant_id: str, session_id: str
-) -> tuple[ChatSession, Tenant, ContextSettings]:
-    """The session (``SessionNotFoundError`` when it is not the tenant's), its tenant and the tenant's context
-    settings, in one query."""
-    row = (
-        await db.execute(
-            select(ChatSession, Tenant, TenantContextSettings)
-            .join(Tenant, Tenant.id == ChatSession.tenant_id)
-            .outerjoin(TenantContextSettings, TenantContextSettings.tenant_id == Tenant.id)
-            .where(ChatSession.id == session_id, ChatSession.tenant_id == tenant_id)
-            .execution_options(populate_existing=True)
-        )
-    ).one_or_none()
-    if row is None:
-        raise SessionNotFoundError(f"session {session_id} not found")
-    session, tenant, settings = row
-    return session, tenant, context_store.settings_of(settings)
 
 
 async def _tenant(db: AsyncSession, tenant_id: str) -> Tenant:

@@ -22,6 +22,7 @@ from backend.context.blocks import Block, BlockKey, BlockType
 from backend.context.rules import Rule, RuleSet, compile_rule
 from backend.context.splitter import DEFAULT_MIN_BLOCK_LENGTH
 from backend.context.topic import TopicSettings, TopicUpdate
+from backend.core.errors import SessionNotFoundError
 from backend.core.offload import run_cpu
 from backend.db.models import (
     ChatSession,
@@ -29,6 +30,7 @@ from backend.db.models import (
     Message,
     SemanticBlock,
     SplitterRule,
+    Tenant,
     TenantContextSettings,
     TopicHistory,
 )
@@ -74,8 +76,12 @@ class RuleSetCache:
     def __init__(self) -> None:
         self._compiled: dict[str, tuple[tuple[int, datetime | None], RuleSet]] = {}
 
-    async def get(self, db: AsyncSession, tenant_id: str) -> RuleSet:
-        version = await rules_version(db, tenant_id)
+    async def get(
+        self, db: AsyncSession, tenant_id: str, version: tuple[int, datetime | None] | None = None
+    ) -> RuleSet:
+        """The tenant's rule set at ``version`` (read here when not given: ``rules_version``)."""
+        if version is None:
+            version = await rules_version(db, tenant_id)
         cached = self._compiled.get(tenant_id)
         if cached is not None and cached[0] == version:
             return cached[1]
@@ -102,6 +108,26 @@ async def add_rule(db: AsyncSession, rule: Rule, tenant_id: str | None = None) -
     db.add(row)
     await db.flush()
     return row.id
+
+
+async def session_and_tenant(
+    db: AsyncSession, tenant_id: str, session_id: str
+) -> tuple[ChatSession, Tenant, TenantContextSettings | None]:
+    """The session (``SessionNotFoundError`` when it is not the tenant's), its tenant and the tenant's context
+    settings row, in one query."""
+    row = (
+        await db.execute(
+            select(ChatSession, Tenant, TenantContextSettings)
+            .join(Tenant, Tenant.id == ChatSession.tenant_id)
+            .outerjoin(TenantContextSettings, TenantContextSettings.tenant_id == Tenant.id)
+            .where(ChatSession.id == session_id, ChatSession.tenant_id == tenant_id)
+            .execution_options(populate_existing=True)
+        )
+    ).one_or_none()
+    if row is None:
+        raise SessionNotFoundError(f"session {session_id} not found")
+    session, tenant, settings = row
+    return session, tenant, settings
 
 
 async def load_settings(db: AsyncSession, tenant_id: str) -> ContextSettings:
@@ -192,13 +218,22 @@ async def load_blocks(db: AsyncSession, session_id: str) -> list[Block]:
 
 async def load_block_rows(db: AsyncSession, session_id: str) -> list[tuple[Block, int]]:
     """The session's blocks, oldest first, each with its row id (one query)."""
+    return blocks_of(await block_rows(db, session_id))
+
+
+async def block_rows(db: AsyncSession, session_id: str) -> list[tuple[SemanticBlock, int, str]]:
+    """The session's block rows in the prompt's order, each with its message's seq and text (one query)."""
     rows = await db.execute(
         select(SemanticBlock, Message.seq, Message.content)
         .join(Message, Message.id == SemanticBlock.message_id)
         .where(SemanticBlock.session_id == session_id)
         .order_by(Message.seq, SemanticBlock.block_index)
     )
-    found = [(row[0], row[1], row[2]) for row in rows]
+    return [(row[0], row[1], row[2]) for row in rows]
+
+
+def blocks_of(found: Sequence[tuple[SemanticBlock, int, str]]) -> list[tuple[Block, int]]:
+    """Block rows (with their message's seq and text) as splitter values, each with its row id."""
     keys = {block.id: BlockKey(seq, block.block_index) for block, seq, _ in found}
     return [
         (

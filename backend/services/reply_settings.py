@@ -96,28 +96,39 @@ async def has_own(db: AsyncSession, tenant_id: str) -> bool:
 async def load(db: AsyncSession, tenant_id: str, defaults: ReplySettings) -> ReplySettings:
     """The tenant's settings, else ``defaults``; with its suffix-drafts choice (``tenants.drafts``) either way.
 
-    NOTE: one statement for both (the tenant's row joined to its settings' row): a turn reads them on its path.
+    NOTE: one statement for both (the tenant's row joined to its settings' row). A chat turn reads them with its
+    context instead (``turn_read.py``) and makes them with ``of_rows``.
     """
     found = await db.execute(
         select(Tenant.drafts, TenantReplySettings)
         .outerjoin(TenantReplySettings, TenantReplySettings.tenant_id == Tenant.id)
         .where(Tenant.id == tenant_id)
     )
-    drafts, row = found.first() or (DraftsSetting.DEFAULT, None)
+    drafts, settings = found.first() or (DraftsSetting.DEFAULT, None)
+    return of_rows(drafts, settings, defaults)
+
+
+async def row(db: AsyncSession, tenant_id: str) -> TenantReplySettings | None:
+    """The tenant's settings row, if it has one."""
+    return await db.scalar(select(TenantReplySettings).where(TenantReplySettings.tenant_id == tenant_id))
+
+
+def of_rows(drafts: str, settings: TenantReplySettings | None, defaults: ReplySettings) -> ReplySettings:
+    """The settings from the tenant's ``drafts`` choice and its settings row (None: ``defaults``)."""
     wanted = DraftsSetting(drafts).wanted()
-    if row is None:
+    if settings is None:
         return dataclasses.replace(defaults, drafts=wanted)
     return ReplySettings(
-        temperature=row.temperature,
-        top_p=row.top_p,
-        top_k=row.top_k,
-        min_p=row.min_p,
-        repetition_penalty=row.repetition_penalty,
-        repetition_penalty_scope=RepetitionScope(row.repetition_penalty_scope),
-        presence_penalty=row.presence_penalty,
-        frequency_penalty=row.frequency_penalty,
-        stop=tuple(json.loads(row.stop)),
-        tool_use=ToolUse(row.tool_choice),
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        min_p=settings.min_p,
+        repetition_penalty=settings.repetition_penalty,
+        repetition_penalty_scope=RepetitionScope(settings.repetition_penalty_scope),
+        presence_penalty=settings.presence_penalty,
+        frequency_penalty=settings.frequency_penalty,
+        stop=tuple(json.loads(settings.stop)),
+        tool_use=ToolUse(settings.tool_choice),
         drafts=wanted,
     )
 

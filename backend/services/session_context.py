@@ -21,7 +21,8 @@ from backend.services.context_store import ContextSettings
 
 @dataclass(frozen=True, slots=True)
 class SessionContext:
-    """What one turn reads from the database: one short session, five queries whatever the history's length."""
+    """What one turn reads from the database (``turn_read.py``: one round trip on Postgres, whatever the history's
+    length)."""
 
     tenant_id: str
     session_id: str

@@ -88,11 +88,6 @@ async def list_tools(db: AsyncSession, tenant_id: str) -> list[TenantTool]:
     return list(rows.scalars())
 
 
-async def enabled_endpoints(db: AsyncSession, tenant_id: str) -> list[ToolEndpoint]:
-    """The tools the bot offers in the tenant's turns, by name."""
-    return [ToolEndpoint.of(t) for t in await list_tools(db, tenant_id) if t.enabled]
-
-
 async def get_tool(db: AsyncSession, tenant_id: str, name: str) -> TenantTool:
     row = await db.scalar(select(TenantTool).where(TenantTool.tenant_id == tenant_id, TenantTool.name == name))
     if row is None:
