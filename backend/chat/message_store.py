@@ -6,10 +6,15 @@ writer (``backend/db/sqlite_writer.py``), and a transaction that reads while hol
 writes too. The message's seq is the read's last seq + 1; a message stored meanwhile has that seq
 (``uq_messages_session_seq``), so the insert fails and the step runs again with the reads under the lock
 (``_lock_then_read``), as does a retried ``client_msg_id`` (a reconnect: its stored reply is replayed).
+
+The reads are one round trip on Postgres (``services/turn_read.py``). Between the read and the lock, a message the
+bot is to answer has its turn's plan started on a CPU worker (``turn_plan.py``): it runs beside the lock and the
+commit, and is dropped when the store has to read again or no bot turn follows.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from sqlalchemy.exc import IntegrityError
@@ -20,6 +25,7 @@ from backend.chat.agent_desk import AgentDesk
 from backend.chat.prompt import asks_for_human
 from backend.chat.protocol import UserMessage
 from backend.chat.reply_setup import ReplySetup
+from backend.chat.turn_plan import Planned, TurnPlanner, drop
 from backend.chat.turns import Turns
 from backend.core.errors import SessionClosedError
 from backend.db.models import Message
@@ -44,6 +50,7 @@ class Stored:
     setup: ReplySetup
     handoff: HandoffSettings
     read_again: bool = False  # a turn of the session was in flight in this process at the read: it stores after it
+    planned: asyncio.Future[Planned] | None = None  # step 7, started after the read (``turn_plan.py``)
 
 
 class MessageStore:
@@ -56,12 +63,14 @@ class MessageStore:
         desk: AgentDesk,
         turns: Turns,
         defaults: ReplySettings,
+        planner: TurnPlanner,
     ) -> None:
         self._sm = sessionmaker
         self._context = context
         self._desk = desk
         self._turns = turns
         self._defaults = defaults  # the server's reply settings, for tenants without their own
+        self._planner = planner
 
     async def store(self, tenant_id: str, session_id: str, frame: UserMessage) -> Stored:
         """Step 2, one transaction: the context read, then the session locked and the message stored.
@@ -89,20 +98,60 @@ class MessageStore:
     async def read(self, db: AsyncSession, tenant_id: str, session_id: str) -> tuple[SessionContext, ReplySetup]:
         """The turn's context and the tenant's reply setup (read only: safe to retry), in one round trip on Postgres
         (``turn_read.py``)."""
+        _, ctx, setup = await self._read(db, tenant_id, session_id)
+        return ctx, setup
+
+    async def _read(
+        self, db: AsyncSession, tenant_id: str, session_id: str
+    ) -> tuple[SessionStatus, SessionContext, ReplySetup]:
         rows = await turn_read.read(db, tenant_id, session_id)
-        return await self._context.context_of(db, rows), reply_setup.of_rows(rows, self._defaults)
+        ctx = await self._context.context_of(db, rows)
+        return SessionStatus(rows.session.status), ctx, reply_setup.of_rows(rows, self._defaults)
 
     async def _read_then_store(
         self, db: AsyncSession, tenant_id: str, session_id: str, frame: UserMessage
     ) -> Stored | None:
         """The common case: read, lock, store a new message, commit (three trips hold SQLite's writer). None when
         the message was stored before (a retry: ``_lock_then_read`` replays it) or the session's topic or pinned
-        context changed after the read."""
+        context changed after the read. A message the bot is to answer, with no other turn of the session in
+        flight, has its turn's plan started after the read (``TurnPlanner.ahead``), beside the lock and the commit."""
         in_flight = self._turns.in_flight(session_id) is not None  # NOTE: known before the read
-        ctx, setup = await self.read(db, tenant_id, session_id)
+        status, ctx, setup = await self._read(db, tenant_id, session_id)
         handoff = await self._desk.handoff_settings(tenant_id, db)  # (from memory, mostly)
         if any(_sent_as(m, frame.client_msg_id) for m in ctx.messages):
             return None
+        answers = _bot_answers(status, frame.text)  # (as read: the lock may find the session moved on)
+        message = store.user_message(session_id, ctx.last_seq + 1, frame.client_msg_id, frame.text, answers)
+        with_message = ctx.with_message(message)
+        planned = None
+        if answers and not in_flight:
+            planned = self._planner.ahead(tenant_id, with_message, message, setup)
+        try:
+            stored = await self._lock_and_store(db, tenant_id, session_id, frame, ctx, message, in_flight)
+        except BaseException:
+            drop(planned)
+            raise
+        if stored is None:
+            drop(planned)
+            return None
+        before, read_again = stored
+        if read_again or not _bot_answers(before, frame.text):
+            drop(planned)  # (read again after the turn in flight; or no bot turn)
+            planned = None
+        return Stored(message, False, before, None, with_message, setup, handoff, read_again, planned)
+
+    async def _lock_and_store(
+        self,
+        db: AsyncSession,
+        tenant_id: str,
+        session_id: str,
+        frame: UserMessage,
+        ctx: SessionContext,
+        message: Message,
+        in_flight: bool,
+    ) -> tuple[SessionStatus, bool] | None:
+        """The session locked and the message stored as read (its status as the lock found the session); the status
+        before it and whether a turn of the session started meanwhile. None: the topic or pinned context moved."""
         session = await store.lock_session(db, tenant_id, session_id)
         if session.status == SessionStatus.CLOSED.value:
             raise SessionClosedError("this session is closed; start a new one")
@@ -116,10 +165,9 @@ class MessageStore:
             return None
         # NOTE: a turn that started between the read and the lock makes this turn read its context again, after it.
         read_again = in_flight or self._turns.in_flight(session_id) is not None
-        awaiting = _bot_answers(before, frame.text)
-        message = store.new_user_message(db, session_id, ctx.last_seq + 1, frame.client_msg_id, frame.text, awaiting)
+        store.stage_user_message(db, message, _bot_answers(before, frame.text))
         await db.commit()
-        return Stored(message, False, before, None, ctx.with_message(message), setup, handoff, read_again)
+        return before, read_again
 
     async def _lock_then_read(self, db: AsyncSession, tenant_id: str, session_id: str, frame: UserMessage) -> Stored:
         """The reads under the session's lock (a write: SQLite's writer, Postgres's row lock), so the status, the
@@ -141,7 +189,8 @@ class MessageStore:
             await db.commit()
             return Stored(message, True, before, reply, ctx, setup, handoff, read_again)
         awaiting = _bot_answers(before, frame.text)
-        message = store.new_user_message(db, session_id, ctx.last_seq + 1, frame.client_msg_id, frame.text, awaiting)
+        message = store.user_message(session_id, ctx.last_seq + 1, frame.client_msg_id, frame.text, awaiting)
+        store.stage_user_message(db, message, awaiting)
         await db.commit()
         return Stored(message, False, before, None, ctx.with_message(message), setup, handoff, read_again)
 

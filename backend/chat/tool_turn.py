@@ -59,7 +59,6 @@ log = logging.getLogger("kvchat.chat.tools")
 
 MAX_STEPS = 2  # steps of calls in one turn
 MAX_CALLS_PER_STEP = 4
-RESULT_RESERVE_TOKENS = 512  # prompt room a turn that offers tools keeps for the calls' results
 GRACEFUL_REPLY = "I'm sorry, I couldn't look that up just now. Please try again in a moment, or ask for a human agent."
 
 

@@ -10,12 +10,13 @@ Each step names the module it runs in; the path enters each once and does not co
    the encoder's cache; under load it would only run ahead of the plans of turns already stored);
 1. the message can be answered at all: system prompt + message + reply within the model's budget
    (``answerable.py``; from its length alone for almost every message), else it is refused and nothing is stored;
-2. ONE transaction (``message_store.py``): the context read (``services/context_service.py``: the session with its
-   tenant and settings, messages, topic history, blocks, the rules' version), the tenant's reply settings and tools
-   (``reply_setup.py``) and its hand-off settings (``agent_desk.py``, from memory mostly); then the session locked
-   (``services/sessions.py``) and the message stored (``awaiting_reply`` when the bot is to answer it); one commit.
-   A retried ``client_msg_id``, or a message stored between the read and the lock, runs it again with the reads
-   under the lock;
+2. ONE transaction (``message_store.py``): the context read with the tenant's reply settings and tools
+   (``services/turn_read.py``: one round trip on Postgres; ``services/context_service.py`` builds the context) and
+   its hand-off settings (``agent_desk.py``, from memory mostly); then step 7 starts on a CPU worker when the bot is
+   to answer and no other turn of the session is in flight (``turn_plan.py``, ``TurnPlanner.ahead``), beside the
+   session locked (``services/sessions.py``) and the message stored (``awaiting_reply`` when the bot is to answer
+   it); one commit. A retried ``client_msg_id``, or a message stored between the read and the lock, runs it again
+   with the reads under the lock (and drops the plan started ahead);
 3. the ack; a retry gets its stored reply replayed, or attaches to its turn in flight, or starts its turn again;
 4. the session's status after the message (``agent_desk.py``): a resolved session reopens; a request for a person
    hands off; while a person holds the session, the message is observed (topic, blocks) and goes to the agents, and
@@ -26,9 +27,9 @@ Each step names the module it runs in; the path enters each once and does not co
 
 6. the context: the one step 2 read, or read again when another turn of the session was in flight at that read (it
    stored its reply after it);
-7. ONE worker-thread step (``_plan``): the topic moved, the message split into blocks, the handbook section chosen,
-   the prompt built and tokenized (``ContextService.plan``), and the reply's grounding for the contact guard
-   (``grounding.py``);
+7. ONE worker-thread step (``turn_plan.py``), awaited when step 2 started it, else run here (``_plan``): the topic
+   moved, the message split into blocks, the handbook section chosen, the prompt built and tokenized
+   (``ContextService.plan``), and the reply's grounding for the contact guard (``grounding.py``);
 8. the prompt to the engine at once (``reply_stream.py``, or ``tool_turn.py`` when tools are offered); beside the
    prefill, a task stores the bookkeeping (``_bookkeeping``: the message's blocks and topic row, the engine's
    temperature hint). Only a prompt that dropped a topic epoch the previous one had waits first, for the engine to
@@ -56,7 +57,6 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.chat.agent_desk import WAITING, AgentDesk
 from backend.chat.answerable import Answerable
-from backend.chat.grounding import turn_grounding
 from backend.chat.hub import Send, SessionHub
 from backend.chat.message_store import MessageStore, Stored
 from backend.chat.prompt import asks_for_human
@@ -72,9 +72,10 @@ from backend.chat.protocol import (
 )
 from backend.chat.reply_setup import ReplySetup
 from backend.chat.reply_stream import ReplyStreamer
-from backend.chat.tool_turn import RESULT_RESERVE_TOKENS, ToolTurn
+from backend.chat.tool_turn import ToolTurn
 from backend.chat.turn import ReplyConfig, with_db_retry
 from backend.chat.turn_marks import TurnMarks
+from backend.chat.turn_plan import Planned, TurnPlanner, drop
 from backend.chat.turn_state import Turn
 from backend.chat.turns import Turns
 from backend.context.builder import prefix_segments
@@ -127,7 +128,8 @@ class TurnPath:
         self.reply = reply
         self._metrics = metrics
         self._commit_delay_s = commit_delay_s  # test hook (crash tests): see store.add_assistant_message
-        self._messages = MessageStore(sessionmaker, context, desk, turns, reply.defaults)
+        self._planner = TurnPlanner(context, lambda: self.budget, reply.max_tokens)
+        self._messages = MessageStore(sessionmaker, context, desk, turns, reply.defaults, self._planner)
         self._gate = FairGate(submit_concurrency)  # steps 1-2, fair by tenant (KVCHAT_TURN_SUBMIT_CONCURRENCY)
         self._answerable = Answerable(engine)
         self._streamer = ReplyStreamer(engine, hub, metrics)
@@ -178,9 +180,12 @@ class TurnPath:
                 observe=not stored.duplicate,
                 read_again=stored.read_again,
                 marks=marks,
+                planned=stored.planned,
             )
             self._turns.start(turn, self._run)
-        elif status == stored.before:
+            return
+        drop(stored.planned)  # (no bot turn: a hand-off)
+        if status == stored.before:
             # NOTE: tell the sender no bot reply is coming (a status change was already published to everyone).
             reply_to(SessionStatusFrame(session_id=session_id, status=status.value))
             if status in WAITING and not stored.duplicate:
@@ -233,7 +238,7 @@ class TurnPath:
                     self._sm, f"reading the context of {turn.session_id}", functools.partial(self._read, turn)
                 )
             setup = turn.setup or ReplySetup(self.reply.defaults)
-            plan, grounding = await run_cpu(turn.tenant_id, self._plan, turn, setup)  # 7
+            plan, grounding = await (turn.planned or run_cpu(turn.tenant_id, self._plan, turn, setup))  # 7
             turn.marks.mark("planned")
             self._start(turn, plan, grounding)
             await self._free_dropped(turn, plan)
@@ -265,16 +270,11 @@ class TurnPath:
         """Step 6's read again (read only: safe to retry): the context and the reply setup."""
         return await self._messages.read(db, turn.tenant_id, turn.session_id)
 
-    def _plan(self, turn: Turn, setup: ReplySetup) -> tuple[Plan, Grounding]:
-        """Step 7, in a worker thread: the message observed, the prompt built and tokenized (with room for the tools'
-        calls and results when tools are offered), and what the reply may take contact details from."""
+    def _plan(self, turn: Turn, setup: ReplySetup) -> Planned:
+        """Step 7, in a worker thread, when step 2 did not start it (``turn_plan.py``)."""
         assert turn.context is not None  # (step 6)
         message = turn.message or next(m for m in turn.context.messages if m.seq == turn.user_seq)
-        budget, tools = self.budget, tuple(t.spec() for t in setup.tools)
-        if tools:  # NOTE: room for the calls and their results, without leaving the history nothing
-            budget = max(budget // 2, budget - self.reply.max_tokens - RESULT_RESERVE_TOKENS)
-        plan = self._context.plan(turn.context, message, budget, tools, observe=turn.observe)
-        return plan, turn_grounding(plan.context)
+        return self._planner.plan(turn.context, message, setup, turn.observe)
 
     def _start(self, turn: Turn, plan: Plan, grounding: Grounding) -> None:
         """What the plan tells the turn and the session: its context, namespace, topic and guard; a topic shift."""

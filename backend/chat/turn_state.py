@@ -7,6 +7,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backend.chat.protocol import Topic
 from backend.chat.reply_setup import ReplySetup
@@ -15,6 +16,9 @@ from backend.context.contact_guard import ContactGuard
 from backend.db.models import Message
 from backend.services.context_service import SessionContext
 from backend.services.handoff_settings import HandoffSettings
+
+if TYPE_CHECKING:  # (turn_plan imports tool_turn, which imports this module)
+    from backend.chat.turn_plan import Planned
 
 
 def new_request_id() -> str:
@@ -43,6 +47,7 @@ class Turn:
     topic: Topic | None = None  # the topic of the message it answers (known once the prompt is built)
     guard: ContactGuard | None = None  # what the reply passes through before it is published (with the prompt)
     marks: TurnMarks = field(default_factory=lambda: TurnMarks(time.perf_counter()))  # its path's steps, timed
+    planned: asyncio.Future[Planned] | None = None  # step 7, started by step 2 (``turn_plan.py``); None: plan here
 
     @property
     def text(self) -> str:

@@ -133,7 +133,8 @@ async def add_user_message(
         return existing, True
     if locked is None:
         await _lock_session(db, session_id)  # (its update is the session's last activity)
-    message = new_user_message(db, session_id, await _next_seq(db, session_id), client_msg_id, text, awaiting_reply)
+    message = user_message(session_id, await _next_seq(db, session_id), client_msg_id, text, awaiting_reply)
+    stage_user_message(db, message, awaiting_reply)
     try:
         await db.commit()
     except IntegrityError:
@@ -146,21 +147,24 @@ async def add_user_message(
     return message, False
 
 
-def new_user_message(
-    db: AsyncSession, session_id: str, seq: int, client_msg_id: str, text: str, awaiting_reply: bool
-) -> Message:
-    """A user message added to the transaction as ``seq`` (read under the session's lock); the caller commits."""
-    status = MessageStatus.AWAITING_REPLY if awaiting_reply else MessageStatus.COMPLETE
-    message = Message(
-        session_id=session_id,
-        seq=seq,
-        role=MessageRole.USER.value,
-        content=text,
-        client_msg_id=client_msg_id,
-        status=status.value,
-    )
-    db.add(message)
+def user_message(session_id: str, seq: int, client_msg_id: str, text: str, awaiting_reply: bool) -> Message:
+    """A user message to be stored as ``seq`` (``stage_user_message``), owed a reply or not."""
+    message = Message(session_id=session_id, seq=seq, role=MessageRole.USER.value, content=text)
+    message.client_msg_id = client_msg_id
+    message.status = _status(awaiting_reply).value
     return message
+
+
+def stage_user_message(db: AsyncSession, message: Message, awaiting_reply: bool) -> None:
+    """Add ``message`` to the transaction (its seq read under the session's lock), owed a reply or not as the lock
+    found the session; the caller commits."""
+    if message.status != (status := _status(awaiting_reply).value):
+        message.status = status
+    db.add(message)
+
+
+def _status(awaiting_reply: bool) -> MessageStatus:
+    return MessageStatus.AWAITING_REPLY if awaiting_reply else MessageStatus.COMPLETE
 
 
 async def await_reply(db: AsyncSession, message: Message) -> None:
