@@ -59,7 +59,9 @@ async def _session_with_history(db: AsyncSession, *, settings: bool) -> tuple[st
     texts = ["Where is my parcel?", "It is on its way.", "And the kettle broke.", "A person will call you."]
     roles = ["user", "assistant", "user", "agent"]
     messages = [
-        Message(session_id=session.id, seq=seq, role=role, content=content, client_msg_id=f"c{seq}" if seq % 2 else None)
+        Message(
+            session_id=session.id, seq=seq, role=role, content=content, client_msg_id=f"c{seq}" if seq % 2 else None
+        )
         for seq, (role, content) in enumerate(zip(roles, texts, strict=True), start=1)
     ]
     messages[1].reply_to_seq, messages[1].tool_exchange = 1, '{"calls": []}'
