@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,17 @@ def live(plans: Plans, db_url: str, tmp_path: Path, tiny_engine: LLMEngine) -> I
         yield server
 
 
+PARCEL = "My parcel is late. Order #4061234567 was due on Monday."
+
+
+@asynccontextmanager
+async def _chatting(live: LiveServer) -> AsyncIterator[Chat]:
+    async with websockets.connect(live.ws, open_timeout=TIMEOUT) as ws:
+        chat = Chat(ws)
+        await chat.hello()
+        yield chat
+
+
 async def _seq(chat: Chat, client_msg_id: str, text: str) -> int:
     await chat.send(type="user.message", client_msg_id=client_msg_id, text=text)
     ack = await chat.until("message.ack")
@@ -75,10 +87,8 @@ async def _seq(chat: Chat, client_msg_id: str, text: str) -> int:
 async def test_a_quiet_sessions_message_is_planned_once_ahead_and_its_turn_uses_that_plan(
     live: LiveServer, plans: Plans
 ) -> None:
-    async with websockets.connect(live.ws, open_timeout=TIMEOUT) as ws:
-        chat = Chat(ws)
-        await chat.hello()
-        _, first = await chat.turn("m1", "My parcel is late. Order #4061234567 was due on Monday.")
+    async with _chatting(live) as chat:
+        _, first = await chat.turn("m1", PARCEL)
         _, second = await chat.turn("m2", "It still has not arrived. Can you check the tracking for me?")
     assert (first["status"], second["status"]) == ("complete", "complete")
     seqs = sorted(plans.computed)
@@ -90,10 +100,8 @@ async def test_a_quiet_sessions_message_is_planned_once_ahead_and_its_turn_uses_
 async def test_a_message_behind_a_turn_in_flight_and_a_hand_off_are_not_planned_ahead(
     live: LiveServer, plans: Plans
 ) -> None:
-    async with websockets.connect(live.ws, open_timeout=TIMEOUT) as ws:
-        chat = Chat(ws)
-        await chat.hello()
-        first = await _seq(chat, "m1", "My parcel is late. Order #4061234567 was due on Monday.")
+    async with _chatting(live) as chat:
+        first = await _seq(chat, "m1", PARCEL)
         second = await _seq(chat, "m2", "Also, the kettle I bought broke.")  # (the first turn is in flight)
         done = [f for f in await chat.until("message.completed") if f["type"] == "message.completed"]
         while len(done) < 2:
@@ -119,10 +127,8 @@ async def test_a_plan_started_ahead_is_dropped_when_the_store_reads_again_under_
         return await lock_and_store(store, db, *args)
 
     monkeypatch.setattr(MessageStore, "_lock_and_store", topic_moved_once)
-    async with websockets.connect(live.ws, open_timeout=TIMEOUT) as ws:
-        chat = Chat(ws)
-        await chat.hello()
-        _, done = await chat.turn("m1", "My parcel is late. Order #4061234567 was due on Monday.")
+    async with _chatting(live) as chat:
+        _, done = await chat.turn("m1", PARCEL)
     assert done["status"] == "complete"
     assert plans.ahead == [1]  # started, then dropped: the store ran again with its reads under the lock
     assert plans.by_turn == [1]
