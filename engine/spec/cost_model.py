@@ -177,6 +177,10 @@ UNMEASURED = DraftCostModel(((1, 8.0), (2, 16.0)), row_ms=1.0, acceptance=0.5, m
 # in the other tables beyond their noise. AVX2 (Zen 3, fp32; no bf16 path there) gives the row cost per batch size
 # (the median over k = 2, 4, 8, 16 at each B): 1.3-1.6 ms beside 1-2 sequences, 2.8-3.1 ms beside 8-16, where the
 # step's linears are bound by arithmetic and a draft row costs about what a decode row does.
+# AVX-512 without AVX512-BF16 (an Intel Xeon, family 6 model 207, whose AMX and bf16 the VM hides; fp32; 2026-12-07):
+# the row cost per batch size as on AVX2, the median over k = 2, 4, 8, 16: 1.3 ms beside 1-2 sequences, 1.6-1.8 ms
+# beside 4-16. Before it the kind was unmeasured (at most 4 drafts, a lone sequence only): 3.3 accepted a verify
+# step against vLLM suffix's 6.6 in the 1-session replay.
 MEASURED: dict[tuple[str, torch.dtype], DraftCostModel] = {
     ("AMX", BF16): DraftCostModel(
         base_ms=((1, 16.0), (2, 17.2), (4, 20.9), (8, 26.5), (16, 39.8)), row_ms=1.06, acceptance=0.5
@@ -186,6 +190,11 @@ MEASURED: dict[tuple[str, torch.dtype], DraftCostModel] = {
     ),
     ("AVX-512 + AVX512-BF16", F32): DraftCostModel(
         base_ms=((1, 24.3), (2, 21.5), (4, 29.4), (8, 31.3), (16, 55.6)), row_ms=1.99, acceptance=0.5
+    ),
+    ("AVX-512", F32): DraftCostModel(
+        base_ms=((1, 26.2), (2, 28.2), (4, 34.5), (8, 46.9), (16, 67.6)),
+        row_ms=((1, 1.3), (2, 1.3), (4, 1.6), (8, 1.8), (16, 1.8)),
+        acceptance=0.5,
     ),
     ("AVX2 + FMA", F32): DraftCostModel(
         base_ms=((1, 28.5), (2, 30.4), (4, 35.7), (8, 50.4), (16, 103.2)),
