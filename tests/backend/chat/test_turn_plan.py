@@ -78,10 +78,12 @@ async def _chatting(live: LiveServer) -> AsyncIterator[Chat]:
         yield chat
 
 
-async def _seq(chat: Chat, client_msg_id: str, text: str) -> int:
+async def _seq(chat: Chat, client_msg_id: str, text: str, seen: list[dict[str, Any]]) -> int:
+    """Send a message and return its seq from its ack; the frames before the ack (another turn's) go to ``seen``."""
     await chat.send(type="user.message", client_msg_id=client_msg_id, text=text)
-    ack = await chat.until("message.ack")
-    return int(ack[-1]["seq"])
+    frames = await chat.until("message.ack")
+    seen.extend(frames)
+    return int(frames[-1]["seq"])
 
 
 async def test_a_quiet_sessions_message_is_planned_once_ahead_and_its_turn_uses_that_plan(
@@ -101,12 +103,12 @@ async def test_a_message_behind_a_turn_in_flight_and_a_hand_off_are_not_planned_
     live: LiveServer, plans: Plans
 ) -> None:
     async with _chatting(live) as chat:
-        first = await _seq(chat, "m1", PARCEL)
-        second = await _seq(chat, "m2", "Also, the kettle I bought broke.")  # (the first turn is in flight)
-        done = [f for f in await chat.until("message.completed") if f["type"] == "message.completed"]
-        while len(done) < 2:
-            done.append((await chat.until("message.completed"))[-1])
-        handoff = await _seq(chat, "m3", "I want to talk to a real person")
+        seen: list[dict[str, Any]] = []
+        first = await _seq(chat, "m1", PARCEL, seen)
+        second = await _seq(chat, "m2", "Also, the kettle I bought broke.", seen)  # (the first turn is in flight)
+        while sum(f["type"] == "message.completed" for f in seen) < 2:  # (the first may complete before m2's ack)
+            seen.extend(await chat.until("message.completed"))
+        handoff = await _seq(chat, "m3", "I want to talk to a real person", seen)
         await asyncio.sleep(0.2)  # (no turn: nothing more is planned)
     assert plans.ahead == [first]
     assert plans.by_turn == [second]  # read again after the first turn's reply, and planned then
@@ -117,7 +119,8 @@ async def test_a_message_behind_a_turn_in_flight_and_a_hand_off_are_not_planned_
 async def test_a_plan_started_ahead_is_dropped_when_the_store_reads_again_under_the_lock(
     live: LiveServer, plans: Plans, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lock_and_store, moved = MessageStore._lock_and_store, []
+    lock_and_store = MessageStore._lock_and_store
+    moved: list[bool] = []
 
     async def topic_moved_once(store: MessageStore, db: Any, *args: Any) -> Any:
         if not moved:  # as if another worker moved the session's topic between the read and the lock
