@@ -149,10 +149,9 @@ async def add_user_message(
 
 def user_message(session_id: str, seq: int, client_msg_id: str, text: str, awaiting_reply: bool) -> Message:
     """A user message to be stored as ``seq`` (``stage_user_message``), owed a reply or not."""
-    message = Message(session_id=session_id, seq=seq, role=MessageRole.USER.value, content=text)
-    message.client_msg_id = client_msg_id
-    message.status = _status(awaiting_reply).value
-    return message
+    status = _status(awaiting_reply).value
+    role = MessageRole.USER.value
+    return Message(session_id=session_id, seq=seq, role=role, content=text, client_msg_id=client_msg_id, status=status)
 
 
 def stage_user_message(db: AsyncSession, message: Message, awaiting_reply: bool) -> None:

@@ -13,6 +13,7 @@ the same ``TurnRows`` (``tests/backend/services/test_turn_read.py`` checks it on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -127,11 +128,6 @@ def _orm(model: type[Row], record: Mapping[str, Any]) -> Row:
     return row
 
 
-_COLUMNS: dict[type[Base], tuple[str, ...]] = {}
-
-
+@functools.cache
 def _columns(model: type[Base]) -> tuple[str, ...]:
-    cached = _COLUMNS.get(model)
-    if cached is None:
-        cached = _COLUMNS[model] = tuple(attr.key for attr in model.__mapper__.column_attrs)
-    return cached
+    return tuple(attr.key for attr in model.__mapper__.column_attrs)
