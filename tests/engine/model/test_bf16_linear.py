@@ -72,6 +72,9 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
     for i in (0, 3, 17, 29, 65):  # (the 70-row batch: grouped tiles; 1-9 rows: the panel loop)
         for rows in (1, 2, 3, 4, 5, 9):
             assert torch.equal(bf16_linear.linear(lib, x[i : i + rows], w)[:1], batch[i : i + 1])
+    # every row tiling of the panel loop (16s, then two tiles of 5-8 rows or one of 1-8), every row of it
+    for rows in range(1, 41):
+        assert torch.equal(bf16_linear.linear(lib, x[5 : 5 + rows], w), batch[5 : 5 + rows])
 
 
 @needs_kernel

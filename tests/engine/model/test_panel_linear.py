@@ -65,11 +65,13 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch() -> None:
     x = torch.randn(31, 576, generator=gen)
     pw = to_panels(torch.randn(200, 576, generator=gen))
     batch = panel_linear.linear(lib, x, pw)
-    # every tile shape (6, 4, 2 and 1 rows) computes row i in the same order
+    # every tile shape (6, 5, 4, 3, 2 and 1 rows) computes row i in the same order
     for i in (0, 5, 12, 29, 30):
         for n in (1, 2, 3, 4, 5, 6, 7):
             if i + n <= 31:
                 assert torch.equal(panel_linear.linear(lib, x[i : i + n], pw)[0], batch[i])
+    for n in range(1, 32):  # every row tiling, every row of it
+        assert torch.equal(panel_linear.linear(lib, x[:n], pw), batch[:n])
 
 
 @needs_kernel
