@@ -48,6 +48,10 @@ class EngineConfig:
     # A file that gets one JSON line per step: its forward pass's time and what it held per tenant (engine.step_trace).
     # None: off. For finding which steps a reply waited behind under load.
     step_trace: str | None = None
+    # Run each step on the cores the rest of the machine leaves (engine.cpu_share): fewer OpenMP threads while other
+    # processes or the backend's threads hold cores, where that never changes a bit (our C kernels). False: always
+    # num_threads (torch's default).
+    adapt_threads: bool = True
 
     def __post_init__(self) -> None:
         checks = {

@@ -19,6 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
+from engine.cpu_share import CpuShare
 from engine.engine_info import EngineInfo, EngineStats
 from engine.errors import EngineError, PromptTooLongError, RequestFailed
 from engine.fair_share import DEFAULT_SHARE, FairShare
@@ -64,6 +65,7 @@ class EngineCore:
         drafter: SuffixDrafter | None = None,
         drafts_default: bool = False,
         trace: StepTrace | None = None,
+        cpu_share: CpuShare | None = None,
     ) -> None:
         self.runner = runner
         self.encoder = encoder
@@ -78,6 +80,7 @@ class EngineCore:
         self.drafter = drafter  # suffix drafts (engine.spec); None: every decode step computes one token
         self.drafts_default = drafts_default  # for requests that do not say (``SamplingParams.drafts`` None)
         self.trace = trace  # a JSON line per step (``EngineConfig.step_trace``); None: off
+        self.cpu_share = cpu_share  # each step's thread count (``EngineConfig.adapt_threads``); None: fixed
 
     @classmethod
     def build(
@@ -106,7 +109,15 @@ class EngineCore:
         grammar = GrammarCompiler(tokenizer.hf, info.vocab_size, tokenizer.eos_token_ids)
         sampler = Sampler(runner.device, vocab_size=info.vocab_size, grammar=grammar)
         trace = StepTrace(config.step_trace) if config.step_trace else None
-        return cls(runner, encoder, sampler, kv, scheduler, cache, table, lock, wakeup, drafter, config.drafts, trace)
+        share = None
+        if config.adapt_threads:
+            import torch
+
+            same_bits = kernels.same_bits_at_any_width(runner.dtype, runner.device.type)
+            share = CpuShare.for_engine(torch.get_num_threads(), same_bits)
+        return cls(
+            runner, encoder, sampler, kv, scheduler, cache, table, lock, wakeup, drafter, config.drafts, trace, share
+        )
 
     def prepare(
         self, submission: Submission, rid: str, session: str | None, share: FairShare = DEFAULT_SHARE
@@ -179,6 +190,7 @@ class EngineCore:
                 self.table.fail(seq.request_id, error)
         if out.is_empty:
             return False
+        threads = self.cpu_share.apply() if self.cpu_share is not None else None
         began = time.monotonic()
         computed, logits, failed = self._forward_isolated(out.scheduled)
         forward_s = time.monotonic() - began
@@ -188,7 +200,7 @@ class EngineCore:
         with self._lock:
             if self.trace is not None:  # NOTE: before update_after_step: a decode is told from a chunk by its position
                 run, wait = self.scheduler.running, self.scheduler.waiting
-                self.trace.write(step_record(began, forward_s, out.scheduled, run, wait))
+                self.trace.write(step_record(began, forward_s, out.scheduled, run, wait, threads))
             for item, reason in failed:  # NOTE: before update_after_step, so none of their blocks is published
                 self._fail_scheduled(item, reason)
             for item, picked in tokens:

@@ -31,9 +31,11 @@ def step_record(
     scheduled: Iterable[ScheduledSeq],
     running: Iterable[Sequence],
     waiting: Iterable[Sequence],
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """The line of one step, read before the step's tokens are appended: ``tenants`` maps each tenant in the step to
-    ``[sequences, prefill tokens, decode rows, draft rows]``; ``running`` and ``waiting`` count sequences per tenant."""
+    ``[sequences, prefill tokens, decode rows, draft rows]``; ``running`` and ``waiting`` count sequences per tenant;
+    ``threads``: the step's OpenMP width where it adapts (``engine.cpu_share``)."""
     tenants: dict[str, list[int]] = {}
     for item in scheduled:
         seq = item.seq
@@ -44,13 +46,16 @@ def step_record(
             row[3] += len(item.drafts)
         else:  # a prompt's chunk, or a preempted sequence's recompute
             row[1] += item.num_new_tokens
-    return {
+    record: dict[str, Any] = {
         "t": round(began, 4),
         "ms": round(1000 * seconds, 2),
         "tenants": tenants,
         "running": _tally(running),
         "waiting": _tally(waiting),
     }
+    if threads is not None:
+        record["threads"] = threads
+    return record
 
 
 class StepTrace:

@@ -84,6 +84,13 @@ class Settings(BaseSettings):
         "sequences, prefill tokens, decode and draft rows it held, and the running and waiting sequences (for finding "
         "which steps a reply waited behind under load; ~200 bytes a step). Unset: off",
     )
+    engine_adapt_threads: bool = Field(
+        default=True,
+        description="run each engine step on the cores the rest of the machine leaves it: fewer OpenMP threads "
+        "while other processes (or the backend's own threads) hold cores, since a step's threads wait for each other "
+        "at ~150 barriers and a descheduled one stalls them all; only where the width never changes a bit (the C "
+        "kernels; not AMX's dense-copy GEMMs). Off: always the torch thread count",
+    )
     engine_quantization: Literal["int8"] | None = Field(
         default=None,
         description="`int8`: weight-only int8 on CPU (slightly different outputs; faster only with AVX-512 int8)",
@@ -323,6 +330,7 @@ class Settings(BaseSettings):
             quantization=self.engine_quantization,
             drafts=self.engine_drafts,
             step_trace=str(self.engine_step_trace) if self.engine_step_trace else None,
+            adapt_threads=self.engine_adapt_threads,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_waiting=self.max_waiting,

@@ -309,6 +309,16 @@ def dense_copy_rows(dtype: torch.dtype, device: str) -> int | None:
     return next((i.min_rows for i in wide if i.layout is Layout.BF16_PANELS), None)
 
 
+def same_bits_at_any_width(dtype: torch.dtype, device: str = "cpu") -> bool:
+    """Whether a forward pass gives the same bits at any OpenMP thread count here: its linears and attention run our
+    C kernels, whose threads split the outputs, never one output's sum (torch's GEMMs may split a sum by thread: the
+    dense copy's F.linear on AMX, the torch fallbacks). ``engine.cpu_share`` changes the width only where this holds."""
+    if device != "cpu" or dense_copy_rows(dtype, device) is not None:
+        return False
+    ops = (Op.LINEAR, Op.DECODE_ATTENTION, Op.PREFILL_ATTENTION)
+    return all(choose_with_library(op, dtype, device=device)[1] is not None for op in ops)
+
+
 @functools.cache
 def linear_plan(layout: Layout, dtype: torch.dtype) -> tuple[tuple[Impl, ctypes.CDLL | None], ...]:
     """The linear rows that read weights held as ``layout``, best first, with their libraries (``linear.linear``

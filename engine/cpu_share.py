@@ -1,0 +1,132 @@
+"""The engine's OpenMP width, step by step: the cores the rest of the machine leaves it.
+
+Each of a step's ~150 parallel regions ends at a barrier, so a step on every core runs at the pace of its slowest
+thread: while another process or thread (the chat backend's turns beside an engine in ``process`` mode or in the same
+process, a neighbour) holds one of the cores, the thread that loses it stalls every region until the kernel's
+scheduler gives it back. A step of a 26-token prompt and a decode row, 2-core Zen 4, bf16 (``bench/cpu_share.py``):
+alone 26 ms on 2 threads against 40 on 1; beside one busy process 64 ms p50 (212 max) on 2 threads against 43 (46)
+on 1; beside three, 256 (577) against 92 (113).
+
+``CpuShare.apply`` runs before each step on the step thread. Every ``window_s`` it reads the machine's busy time
+(``/proc/stat``: everything but idle and iowait, steal included: a neighbour VM's) and the step thread's own CPU time,
+counts the cores the others used (busy - own x width), and sets the width to the cores they leave (``decide``):
+fewer at once, more again only after ``RAISE_AFTER`` windows in a row that say so.
+
+NOTE: exactness: the width never changes a bit of a forward pass where ``kernels.same_bits_at_any_width`` holds (our
+C kernels split outputs between threads, never one output's sum); elsewhere (AMX's dense-copy GEMMs, torch
+fallbacks) the engine keeps its width fixed. Linux only (``/proc/stat``); elsewhere the width stays fixed too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+WINDOW_S = 0.2  # how often the width is reconsidered (/proc/stat counts in 10 ms ticks: 40 ticks on 2 cores)
+RAISE_AFTER = 2  # windows in a row that leave more cores before the width grows (a width that drops acts at once)
+_IDLE_FIELDS = (3, 4)  # idle, iowait in /proc/stat's "cpu" line (after the label)
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """What one window saw: its wall time, the machine's busy core-seconds, and the engine's own."""
+
+    wall_s: float
+    busy_s: float
+    own_s: float
+
+    def others(self) -> float:
+        """Cores the rest of the machine used on average (never below 0: the tick counts are coarse)."""
+        return max(0.0, (self.busy_s - self.own_s) / self.wall_s) if self.wall_s > 0 else 0.0
+
+
+def decide(cores: int, most: int, current: int, others: float, votes: int) -> tuple[int, int]:
+    """The next width and the count of windows in a row that asked for more: the cores ``others`` leave (a core
+    counts as left while others use less than half of it), between 1 and ``most``."""
+    want = max(1, min(most, math.floor(cores - others + 0.5)))
+    if want < current:
+        return want, 0
+    if want > current:
+        return (want, 0) if votes + 1 >= RAISE_AFTER else (current, votes + 1)
+    return current, 0
+
+
+def machine_busy_s(path: str = "/proc/stat") -> float | None:
+    """Core-seconds the machine has been busy since boot (None where ``/proc/stat`` cannot be read)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]
+    busy = sum(v for i, v in enumerate(ticks) if i not in _IDLE_FIELDS)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class CpuShare:
+    """Chooses the step's width (``apply``, on the step thread) from the windows it measures."""
+
+    def __init__(
+        self,
+        most: int,
+        cores: int,
+        *,
+        window_s: float = WINDOW_S,
+        busy: Callable[[], float | None] = machine_busy_s,
+        own: Callable[[], float] = time.thread_time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.most = max(1, most)
+        self.cores = max(1, cores)
+        self.width = self.most
+        self.changes = 0
+        self._window_s = window_s
+        self._busy, self._own, self._clock = busy, own, clock
+        self._votes = 0
+        self._start: tuple[float, float, float] | None = None
+
+    @classmethod
+    def for_engine(cls, threads: int, same_bits: bool) -> CpuShare | None:
+        """The engine's, for ``threads`` torch threads; None where the width must stay fixed (a width that would
+        change bits, one thread, no ``/proc/stat``)."""
+        if not same_bits or threads <= 1 or machine_busy_s() is None:
+            return None
+        return cls(threads, len(os.sched_getaffinity(0)))
+
+    def observe(self) -> Window | None:
+        """Close the window when it has lasted ``window_s`` (None before, or where the busy time cannot be read)."""
+        now, own = self._clock(), self._own()
+        busy = self._busy()
+        if busy is None:
+            return None
+        if self._start is None:
+            self._start = (now, busy, own)
+            return None
+        t0, b0, o0 = self._start
+        if now - t0 < self._window_s:
+            return None
+        self._start = (now, busy, own)
+        return Window(now - t0, busy - b0, (own - o0) * self.width)
+
+    def apply(self) -> int:
+        """The width for the step about to run, set as torch's (and so the C kernels') thread count."""
+        window = self.observe()
+        if window is not None:
+            width, self._votes = decide(self.cores, self.most, self.width, window.others(), self._votes)
+            if width != self.width:
+                log.debug("engine width %d -> %d (others used %.2f cores)", self.width, width, window.others())
+                self.width = width
+                self.changes += 1
+        import torch
+
+        if torch.get_num_threads() != self.width:
+            torch.set_num_threads(self.width)
+        return self.width
