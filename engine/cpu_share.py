@@ -8,7 +8,8 @@ alone 26 ms on 2 threads against 40 on 1; beside one busy process 64 ms p50 (212
 on 1; beside three, 256 (577) against 92 (113).
 
 ``CpuShare.apply`` runs before each step on the step thread. Every ``window_s`` it reads the machine's busy time
-(``/proc/stat``: everything but idle and iowait, steal included: a neighbour VM's) and the step thread's own CPU time,
+(``/proc/stat``, the CPUs of the process's affinity: everything but idle and iowait, steal included: a
+neighbour VM's) and the step thread's own CPU time,
 counts the cores the others used (busy - own x width), and sets the width to the cores they leave (``decide``):
 fewer at once, more again only after ``RAISE_AFTER`` windows in a row that say so.
 
@@ -57,18 +58,25 @@ def decide(cores: int, most: int, current: int, others: float, votes: int) -> tu
     return current, 0
 
 
-def machine_busy_s(path: str = "/proc/stat") -> float | None:
-    """Core-seconds the machine has been busy since boot (None where ``/proc/stat`` cannot be read)."""
+def machine_busy_s(path: str = "/proc/stat", cpus: frozenset[int] | None = None) -> float | None:
+    """Core-seconds the CPUs ``cpus`` (this process's affinity by default: in a container with a cpuset, its cores,
+    not the host's) have been busy since boot; None where ``/proc/stat`` cannot be read."""
+    cpus = frozenset(os.sched_getaffinity(0)) if cpus is None else cpus
+    busy, seen = 0, False
     try:
         with open(path, encoding="ascii") as f:
-            fields = f.readline().split()
-    except OSError:
+            for line in f:
+                fields = line.split()
+                if not fields or not fields[0].startswith("cpu"):
+                    break  # (the per-CPU lines come first, after the total)
+                if not fields[0][3:].isdigit() or int(fields[0][3:]) not in cpus:
+                    continue
+                ticks = [int(v) for v in fields[1:9]]
+                busy += sum(v for i, v in enumerate(ticks) if i not in _IDLE_FIELDS)
+                seen = True
+    except (OSError, ValueError):
         return None
-    if not fields or fields[0] != "cpu":
-        return None
-    ticks = [int(v) for v in fields[1:9]]
-    busy = sum(v for i, v in enumerate(ticks) if i not in _IDLE_FIELDS)
-    return busy / os.sysconf("SC_CLK_TCK")
+    return busy / os.sysconf("SC_CLK_TCK") if seen else None
 
 
 class CpuShare:

@@ -89,13 +89,18 @@ def test_a_busy_neighbour_takes_a_thread_and_its_leaving_gives_it_back(torch_thr
     assert torch.get_num_threads() == share.width
 
 
-def test_the_busy_time_comes_from_proc_stat(tmp_path: Path) -> None:
+def test_the_busy_time_is_the_affinity_cpus_of_proc_stat(tmp_path: Path) -> None:
     stat = tmp_path / "stat"
-    stat.write_text("cpu  100 10 50 900 40 5 5 20 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
-    assert machine_busy_s(str(stat)) == pytest.approx(190 / os.sysconf("SC_CLK_TCK"))
+    lines = ["cpu  300 0 0 900 0 0 0 0 0 0", "cpu0 100 10 50 900 40 5 5 20 0 0", "cpu1 7 0 0 1 0 0 0 0 0 0"]
+    stat.write_text("\n".join([*lines, "cpu2 1000 0 0 0 0 0 0 0 0 0", "intr 5 5", "cpu3 9 9 9 9 9 9 9 9 9 9"]) + "\n")
+    tick = os.sysconf("SC_CLK_TCK")
+    assert machine_busy_s(str(stat), frozenset({0, 1})) == pytest.approx((190 + 7) / tick)
+    assert machine_busy_s(str(stat), frozenset({2})) == pytest.approx(1000 / tick)
+    assert machine_busy_s(str(stat), frozenset({3})) is None  # (past the CPU lines)
     stat.write_text("garbage\n")
-    assert machine_busy_s(str(stat)) is None
+    assert machine_busy_s(str(stat), frozenset({0})) is None
     assert machine_busy_s(str(tmp_path / "missing")) is None
+    assert machine_busy_s() is not None  # this machine's
 
 
 def test_the_width_stays_fixed_where_it_could_change_bits_or_there_is_one_thread() -> None:
