@@ -66,6 +66,7 @@ class EngineCore:
         drafts_default: bool = False,
         trace: StepTrace | None = None,
         cpu_share: CpuShare | None = None,
+        threads: int = 0,
     ) -> None:
         self.runner = runner
         self.encoder = encoder
@@ -81,6 +82,7 @@ class EngineCore:
         self.drafts_default = drafts_default  # for requests that do not say (``SamplingParams.drafts`` None)
         self.trace = trace  # a JSON line per step (``EngineConfig.step_trace``); None: off
         self.cpu_share = cpu_share  # each step's thread count (``EngineConfig.adapt_threads``); None: fixed
+        self.threads = threads  # the fixed thread count (when ``cpu_share`` is None)
 
     @classmethod
     def build(
@@ -109,15 +111,14 @@ class EngineCore:
         grammar = GrammarCompiler(tokenizer.hf, info.vocab_size, tokenizer.eos_token_ids)
         sampler = Sampler(runner.device, vocab_size=info.vocab_size, grammar=grammar)
         trace = StepTrace(config.step_trace) if config.step_trace else None
+        import torch
+
         share = None
         if config.adapt_threads:
-            import torch
-
             same_bits = kernels.same_bits_at_any_width(runner.dtype, runner.device.type)
             share = CpuShare.for_engine(torch.get_num_threads(), same_bits)
-        return cls(
-            runner, encoder, sampler, kv, scheduler, cache, table, lock, wakeup, drafter, config.drafts, trace, share
-        )
+        parts = (runner, encoder, sampler, kv, scheduler, cache, table, lock, wakeup, drafter, config.drafts, trace)
+        return cls(*parts, share, torch.get_num_threads())
 
     def prepare(
         self, submission: Submission, rid: str, session: str | None, share: FairShare = DEFAULT_SHARE
@@ -371,6 +372,8 @@ class EngineCore:
                 accepted_tokens=c.accepted_tokens,
                 verify_steps=c.verify_steps,
                 tokens_per_verify_step=dict(c.tokens_per_verify_step),
+                threads=self.threads if self.cpu_share is None else self.cpu_share.width,
+                width_changes=0 if self.cpu_share is None else self.cpu_share.changes,
             )
 
     def fail_in_flight(self) -> None:

@@ -66,3 +66,7 @@ class EngineStats:
     verify_steps: int = 0
     # how many verify steps gave n tokens (the accepted drafts and the one more): /metrics' histogram of them
     tokens_per_verify_step: Mapping[int, int] = field(default_factory=dict)
+    # The OpenMP width of the engine's steps now (engine.cpu_share; the fixed thread count where it does not adapt),
+    # and how often it changed: a width below the cores says other work holds them
+    threads: int = 0
+    width_changes: int = 0

@@ -53,6 +53,9 @@ class EngineCollector(Collector):
         yield _counter("kvchat:generation_tokens", "Tokens generated.", s.generated_tokens)
         yield _counter("kvchat:request_success", "Requests finished.", s.requests_finished)
         yield _counter("kvchat:engine_steps", "Engine steps (one batch each).", s.steps)
+        # engine/cpu_share.py: fewer threads than cores while other work holds them (summed over replicas)
+        yield GaugeMetricFamily("kvchat:engine_threads", "OpenMP threads of the engine's steps now.", s.threads)
+        yield _counter("kvchat:engine_width_changes", "Changes of the engine's step width.", s.width_changes)
         # suffix decoding (engine/spec): acceptance rate = accepted / draft tokens; tokens per verify step =
         # (accepted + verify steps) / verify steps, and their spread in the histogram (docs/operating.md)
         yield _counter("kvchat:spec_decode_draft_tokens", "Draft tokens verified.", s.drafted_tokens)

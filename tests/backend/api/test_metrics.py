@@ -80,6 +80,8 @@ async def test_metrics_parse_and_move_with_a_scripted_chat(
     assert after[("kvchat:ws_open_sockets", ())] == 0
     assert after[("kvchat:kv_cache_bytes", (("state", "capacity"), ("tier", "memory")))] > 0
     assert 0.0 <= after[("kvchat:kv_cache_usage_perc", ())] <= 1.0
+    assert after[("kvchat:engine_threads", ())] >= 1  # (the width of its steps: engine/cpu_share.py)
+    assert after[("kvchat:engine_width_changes_total", ())] >= 0
     # NOTE: no identifiers in labels: a series per session would leak who uses the service. The fair-share series
     # are the one exception, by tenant id only (backend/core/metrics.py says why).
     label_values = {value for _, labels in after for _, value in labels}
