@@ -3,15 +3,15 @@
 Each of a step's ~150 parallel regions ends at a barrier, so a step on every core runs at the pace of its slowest
 thread: while another process or thread (the chat backend's turns beside an engine in ``process`` mode or in the same
 process, a neighbour) holds one of the cores, the thread that loses it stalls every region until the kernel's
-scheduler gives it back. A step of a 26-token prompt and a decode row, 2-core Zen 4, bf16 (``bench/cpu_share.py``):
-alone 26 ms on 2 threads against 40 on 1; beside one busy process 64 ms p50 (212 max) on 2 threads against 43 (46)
-on 1; beside three, 256 (577) against 92 (113).
+scheduler gives it back. On a 2-core Zen 4, bf16, a step of a 26-token prompt and a decode row took 26 ms on 2
+threads and 40 on 1 alone, but beside one busy process 64 ms p50 (212 max) on 2 threads and 43 (46) on 1; a batch
+of 8 requests of 32 tokens beside one busy process 2.4 s at a fixed 2 threads, 0.9 s at the width chosen here
+(``bench/cpu_share.py``, docs/benchmarks.md).
 
-``CpuShare.apply`` runs before each step on the step thread. Every ``window_s`` it reads the machine's busy time
-(``/proc/stat``, the CPUs of the process's affinity: everything but idle and iowait, steal included: a
-neighbour VM's) and the step thread's own CPU time,
-counts the cores the others used (busy - own x width), and sets the width to the cores they leave (``decide``):
-fewer at once, more again only after ``RAISE_AFTER`` windows in a row that say so.
+``CpuShare.apply`` runs before each step on the step thread. Every ``window_s`` it reads the busy time of the
+process's CPUs (``/proc/stat``: everything but idle and iowait, steal included: a neighbour VM's) and the step
+thread's own CPU time, counts the cores the others used (busy - own x width), and sets the width to the cores they
+leave (``decide``): fewer at once, more again only after ``RAISE_AFTER`` windows in a row that say so.
 
 NOTE: exactness: the width never changes a bit of a forward pass where ``kernels.same_bits_at_any_width`` holds (our
 C kernels split outputs between threads, never one output's sum); elsewhere (AMX's dense-copy GEMMs, torch
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 WINDOW_S = 0.2  # how often the width is reconsidered (/proc/stat counts in 10 ms ticks: 40 ticks on 2 cores)
 RAISE_AFTER = 2  # windows in a row that leave more cores before the width grows (a width that drops acts at once)
-_IDLE_FIELDS = (3, 4)  # idle, iowait in /proc/stat's "cpu" line (after the label)
+_IDLE_FIELDS = (3, 4)  # idle, iowait in a /proc/stat "cpuN" line (after the label)
 
 
 @dataclass(frozen=True, slots=True)
