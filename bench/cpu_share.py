@@ -22,6 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from bench.metrics import percentile
 from bench.reporting import format_table, machine_info, reproduce_command, write_json
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -47,11 +50,6 @@ def batch(engine: LLMEngine, requests: int, tokens: int, label: str) -> tuple[li
         steps.append(time.perf_counter() - t)
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", adapt_threads=True))
     info = engine.load()
@@ -69,8 +67,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for mode in ("fixed", "adaptive") if r % 2 == 0 else ("adaptive", "fixed"):
                     engine.core.cpu_share = share if mode == "adaptive" else None
                     if mode == "fixed":
-                        import torch
-
                         torch.set_num_threads(share.most)
                     changes = share.changes
                     steps, wall = batch(engine, args.requests, args.tokens, f"{busy}-{r}-{mode}")
@@ -85,7 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "width": mode,
                         "steps": len(steps),
                         "step_p50_ms": statistics.median(steps),
-                        "step_p99_ms": _pct(steps, 0.99),
+                        "step_p99_ms": percentile(sorted(steps), 99),
                         "step_max_ms": max(steps),
                         "batch_s": statistics.median(w for _, w in got),
                     }

@@ -20,6 +20,7 @@ fallbacks) the engine keeps its width fixed. Linux only (``/proc/stat``); elsewh
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -105,22 +106,25 @@ class CpuShare:
     def for_engine(cls, threads: int, same_bits: bool) -> CpuShare | None:
         """The engine's, for ``threads`` torch threads; None where the width must stay fixed (a width that would
         change bits, one thread, no ``/proc/stat``)."""
-        if not same_bits or threads <= 1 or machine_busy_s() is None:
+        cpus = frozenset(os.sched_getaffinity(0))
+        if not same_bits or threads <= 1 or machine_busy_s(cpus=cpus) is None:
             return None
-        return cls(threads, len(os.sched_getaffinity(0)))
+        return cls(threads, len(cpus), busy=functools.partial(machine_busy_s, cpus=cpus))
 
     def observe(self) -> Window | None:
-        """Close the window when it has lasted ``window_s`` (None before, or where the busy time cannot be read)."""
-        now, own = self._clock(), self._own()
+        """Close the window when it has lasted ``window_s`` (None before, or where the busy time cannot be read).
+        Between windows a step costs one clock read: ``/proc/stat`` is read only when a window closes."""
+        now = self._clock()
+        if self._start is not None and now - self._start[0] < self._window_s:
+            return None
         busy = self._busy()
         if busy is None:
             return None
+        own = self._own()
         if self._start is None:
             self._start = (now, busy, own)
             return None
         t0, b0, o0 = self._start
-        if now - t0 < self._window_s:
-            return None
         self._start = (now, busy, own)
         return Window(now - t0, busy - b0, (own - o0) * self.width)
 
